@@ -1,0 +1,131 @@
+"""Typed service configuration, read once at start: CLI flags > environment > defaults.
+
+Each service declares one dataclass deriving from `ServerConfig`, with a docstring under
+every field. `load_config` turns the fields into `--flag-name` options (help text taken from
+those docstrings) and `<ENV_PREFIX><FIELD_NAME>` environment variables, and returns a frozen
+instance. Nothing is read at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+Config = TypeVar("Config", bound="ServerConfig")
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class ServerConfig:
+    """Settings every gRPC service shares. Subclasses add their own fields."""
+
+    env_prefix: ClassVar[str] = "KVMESH_"
+
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds (0.0.0.0 to listen on every interface)."""
+    port: int = 0
+    """gRPC port; 0 picks a free one (printed in the ready line)."""
+    metrics_port: int = 0
+    """Prometheus metrics HTTP port; 0 picks a free one, -1 disables the endpoint."""
+    grace_s: float = 5.0
+    """Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled."""
+    log_level: str = "INFO"
+    """Python logging level."""
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field, through the class hierarchy."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object or not dataclasses.is_dataclass(klass):
+            continue
+        try:
+            tree = ast.parse(inspect.getsource(klass).strip())
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if isinstance(tree.body[0], ast.ClassDef) else []
+        for node, following in itertools.pairwise(body):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                docs[node.target.id] = inspect.cleandoc(following.value.value)
+    return docs
+
+
+def env_var(cls: type[ServerConfig], name: str) -> str:
+    """The environment variable that sets field `name` of config class `cls`."""
+    return f"{cls.env_prefix}{name.upper()}"
+
+
+def _base_type(annotation: Any) -> Any:
+    """`int | None` -> int; `Path` -> Path; `tuple[str, ...]` -> tuple."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0])
+    return origin or annotation
+
+
+def _parse_value(kind: Any, raw: str, name: str) -> Any:
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+        raise ValueError(f"{name}: expected a boolean, got {raw!r}")
+    if kind is tuple:
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    if kind is Path:
+        return Path(raw).expanduser()
+    try:
+        return kind(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name}: expected {kind.__name__}, got {raw!r}") from exc
+
+
+def load_config(
+    cls: type[Config],
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    description: str | None = None,
+) -> Config:
+    """Builds `cls` from flags (highest), then environment variables, then field defaults."""
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    parser = argparse.ArgumentParser(description=description or cls.__doc__)
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    for f in fields:
+        kind = _base_type(hints[f.name])
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{docs.get(f.name, '')} [env {env_var(cls, f.name)}]"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            parser.add_argument(flag, type=str, help=help_text, metavar=f.name.upper())
+    args = vars(parser.parse_args(argv))
+    values: dict[str, Any] = {}
+    for f in fields:
+        kind = _base_type(hints[f.name])
+        raw = args[f.name]
+        if raw is not None:
+            values[f.name] = raw if kind is bool else _parse_value(kind, raw, f.name)
+        elif (env := environ.get(env_var(cls, f.name))) is not None:
+            values[f.name] = _parse_value(kind, env, env_var(cls, f.name))
+    return cls(**values)

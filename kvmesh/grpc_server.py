@@ -1,0 +1,257 @@
+"""The one way every kvmesh service serves gRPC.
+
+`GrpcServer` wires a grpc.aio server with: the standard health service, server reflection
+(grpcurl works), the OpenTelemetry server interceptor, one error interceptor that maps
+kvmesh's exceptions to gRPC statuses, and a Prometheus metrics endpoint. `serve()` runs it
+until SIGTERM/SIGINT, then flips health to NOT_SERVING, waits `shutdown_delay_s` so load
+balancers see it, and stops with the configured grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.grpc import aio_server_interceptor
+from prometheus_client import Counter, start_http_server
+
+from kvmesh.config import ServerConfig
+from kvmesh.errors import Internal, KvmeshError, Unimplemented
+from kvmesh.rpc_status import abort_with_error
+from kvmesh.telemetry import setup_tracing
+
+log = logging.getLogger(__name__)
+
+READY_PREFIX = "KVMESH_READY "
+"""Start of the line a service prints once it serves: the prefix, then a JSON object."""
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+"""gRPC message size limit in both directions (KV chunks stay at or under 1 MiB)."""
+
+RPC_ERRORS = Counter(
+    "kvmesh_rpc_errors_total",
+    "RPCs that ended with an error status, by service, method and code.",
+    ["service", "method", "code"],
+)
+
+StopHook = Callable[[], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class ServiceBinding:
+    """One gRPC service to host: its full proto name, its servicer and the generated adder."""
+
+    name: str
+    """Full service name, e.g. "kvmesh.v1.Cache" (for health and reflection)."""
+    servicer: object
+    """The servicer instance."""
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    """The generated `add_XServicer_to_server` function."""
+
+
+def _method_labels(method: str) -> tuple[str, str]:
+    service, _, name = method.lstrip("/").partition("/")
+    return service, name
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Any]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except KvmeshError as error:
+            await _report(context, error, method)
+        except Exception as error:  # noqa: BLE001 - any bug must still end the RPC cleanly
+            await _report(context, _internal(error, method), method)
+
+    return wrapper
+
+
+def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., Any]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except KvmeshError as error:
+            await _report(context, error, method)
+        except Exception as error:  # noqa: BLE001 - any bug must still end the RPC cleanly
+            await _report(context, _internal(error, method), method)
+
+    return wrapper
+
+
+def _internal(error: Exception, method: str) -> KvmeshError:
+    if isinstance(error, grpc.aio.AbortError):
+        raise error  # the servicer already chose a status
+    if isinstance(error, NotImplementedError):
+        return Unimplemented(f"{method} is not implemented by this server")
+    log.exception("unhandled error in %s", method, exc_info=error)
+    return Internal(f"internal error in {method}: {type(error).__name__}: {error}")
+
+
+async def _report(context: grpc.aio.ServicerContext, error: KvmeshError, method: str) -> None:
+    service, name = _method_labels(method)
+    RPC_ERRORS.labels(service, name, error.status).inc()
+    await abort_with_error(context, error)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns kvmesh exceptions (and bugs) raised by any servicer into proper statuses."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        codec = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method), **codec
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary, method), **codec
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method), **codec
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            _wrap_stream(handler.stream_stream, method), **codec
+        )
+
+
+@dataclass
+class GrpcServer:
+    """A started-on-demand grpc.aio server hosting kvmesh services plus health and reflection."""
+
+    config: ServerConfig
+    service_name: str
+    bindings: Sequence[ServiceBinding]
+    on_stop: Sequence[StopHook] = ()
+    shutdown_delay_s: float = 0.3
+    port: int = 0
+    metrics_port: int | None = None
+    _server: grpc.aio.Server | None = None
+    _health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
+    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def address(self) -> str:
+        """host:port that clients dial."""
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::", "[::]") else self.config.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        """Binds, starts serving and marks every service SERVING; returns the gRPC port."""
+        server = grpc.aio.server(
+            interceptors=[aio_server_interceptor(), ErrorInterceptor()],
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        for binding in self.bindings:
+            binding.add_to_server(binding.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        names = [b.name for b in self.bindings]
+        reflection.enable_server_reflection(
+            [
+                *names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self.config.host}:{self.config.port} (port in use?)")
+        await server.start()
+        self._server = server
+        for name in ["", *names]:
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.config.metrics_port >= 0:
+            http, _ = start_http_server(self.config.metrics_port, addr=self.config.host)
+            self.metrics_port = http.server_port
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING first, a short pause for load balancers, then stop(grace) and the hooks."""
+        if self._server is None or self._stopping.is_set():
+            return
+        self._stopping.set()
+        await self._health.enter_graceful_shutdown()
+        await asyncio.sleep(self.shutdown_delay_s)
+        await self._server.stop(self.config.grace_s if grace is None else grace)
+        for hook in self.on_stop:
+            await hook()
+
+    async def wait(self) -> None:
+        """Returns when the server has stopped."""
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    def ready_line(self) -> str:
+        """The machine-readable line printed once serving (parsed by `kvmesh up` and tests)."""
+        info = {
+            "service": self.service_name,
+            "address": self.address,
+            "port": self.port,
+            "metrics_port": self.metrics_port,
+        }
+        return READY_PREFIX + json.dumps(info)
+
+
+def configure_logging(config: ServerConfig, service_name: str) -> None:
+    """One log format for every service, naming the service on each line."""
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {service_name} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+async def serve(server: GrpcServer) -> None:
+    """Starts `server`, prints its ready line, and runs until SIGTERM or SIGINT."""
+    setup_tracing(server.service_name)
+    started = time.monotonic()
+    await server.start()
+    print(server.ready_line(), flush=True)
+    log.info(
+        "%s serving on %s (metrics port %s) after %.1fs",
+        server.service_name,
+        server.address,
+        server.metrics_port,
+        time.monotonic() - started,
+    )
+    loop = asyncio.get_running_loop()
+    stop_task: list[asyncio.Task[None]] = []
+
+    def request_stop(signum: int) -> None:
+        log.info("%s received %s: draining", server.service_name, signal.Signals(signum).name)
+        if not stop_task:
+            stop_task.append(loop.create_task(server.stop()))
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, request_stop, signum)
+    await server.wait()
+    if stop_task:
+        await stop_task[0]
+    log.info("%s stopped", server.service_name)

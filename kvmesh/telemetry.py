@@ -1,0 +1,91 @@
+"""OpenTelemetry set-up for a kvmesh process.
+
+Tracing is configured from the standard OTEL_* variables: an OTLP exporter when
+OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set or
+OTEL_TRACES_EXPORTER=otlp, and additionally a JSON-lines file when KVMESH_TRACE_FILE names
+one. With neither, spans are not recorded, but the W3C traceparent still passes through
+every hop, so a caller's trace continues downstream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+
+log = logging.getLogger(__name__)
+
+TRACE_FILE_ENV = "KVMESH_TRACE_FILE"
+"""Environment variable naming a JSON-lines file that receives every finished span."""
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends each finished span as one JSON line; several processes may share the file."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = "".join(
+            json.dumps(json.loads(span.to_json()), separators=(",", ":")) + "\n" for span in spans
+        )
+        with self._lock, open(self._path, "a", encoding="utf-8") as out:
+            # One write per batch: O_APPEND keeps lines from different processes whole.
+            out.write(lines)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+
+def _otlp_requested(environ: Mapping[str, str]) -> bool:
+    exporter = environ.get("OTEL_TRACES_EXPORTER", "").lower()
+    if exporter == "none":
+        return False
+    return exporter == "otlp" or any(
+        environ.get(name)
+        for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def setup_tracing(
+    service_name: str, environ: Mapping[str, str] | None = None
+) -> TracerProvider | None:
+    """Installs the global tracer provider for this process; None when nothing exports."""
+    environ = os.environ if environ is None else environ
+    otlp = _otlp_requested(environ)
+    trace_file = environ.get(TRACE_FILE_ENV)
+    if not otlp and not trace_file:
+        return None
+    resource = Resource.create({SERVICE_NAME: environ.get("OTEL_SERVICE_NAME", service_name)})
+    provider = TracerProvider(resource=resource)
+    if otlp:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        log.info("tracing: OTLP export enabled")
+    if trace_file:
+        provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(Path(trace_file))))
+        log.info("tracing: writing spans to %s", trace_file)
+    trace.set_tracer_provider(provider)
+    return provider
+
+
+def tracer(name: str) -> trace.Tracer:
+    """The tracer for a kvmesh module."""
+    return trace.get_tracer(name)
