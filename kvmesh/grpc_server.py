@@ -10,6 +10,7 @@ balancers see it, and stops with the configured grace.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import signal
@@ -22,11 +23,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.instrumentation.grpc import aio_server_interceptor
+from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 from prometheus_client import Counter, start_http_server
 
 from kvmesh.config import ServerConfig
-from kvmesh.errors import Internal, KvmeshError, Unimplemented
+from kvmesh.errors import Internal, InvalidArgument, KvmeshError, Unimplemented
 from kvmesh.rpc_status import abort_with_error
 from kvmesh.telemetry import setup_tracing
 
@@ -46,6 +47,13 @@ RPC_ERRORS = Counter(
 
 StopHook = Callable[[], Awaitable[None]]
 
+_TRACED = filters.negate(
+    filters.any_of(
+        filters.service_prefix("grpc.health."), filters.service_prefix("grpc.reflection.")
+    )
+)
+"""Health probes and reflection are not traced: they are not requests anyone follows."""
+
 
 @dataclass(slots=True)
 class ServiceBinding:
@@ -64,10 +72,50 @@ def _method_labels(method: str) -> tuple[str, str]:
     return service, name
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Any]:
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse, so the servicer never sees it."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """Wraps a request deserializer so corrupt bytes become INVALID_ARGUMENT, not UNKNOWN."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as error:  # noqa: BLE001 - any parse failure is the caller's fault
+            return _Undecodable(f"{type(error).__name__}: {error}")
+
+    return parse
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise InvalidArgument("request", f"could not be decoded ({request.reason})")
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _checked(request)
+
+
+def _requests(request_or_iterator: Any, streaming: bool) -> Any:
+    return _checked_stream(request_or_iterator) if streaming else _checked(request_or_iterator)
+
+
+def _wrap_unary(
+    behavior: Callable[..., Awaitable[Any]], method: str, streaming: bool
+) -> Callable[..., Any]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await behavior(request, context)
+            return await behavior(_requests(request, streaming), context)
         except KvmeshError as error:
             await _report(context, error, method)
         except Exception as error:  # noqa: BLE001 - any bug must still end the RPC cleanly
@@ -76,10 +124,16 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Callabl
     return wrapper
 
 
-def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., Any]:
+def _wrap_stream(
+    behavior: Callable[..., AsyncIterator[Any]], method: str, streaming: bool
+) -> Callable[..., Any]:
+    if not inspect.isasyncgenfunction(behavior):
+        # A servicer that writes with context.write (grpc's own health Watch) returns a coroutine.
+        return _wrap_unary(behavior, method, streaming)  # type: ignore[arg-type]
+
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
-            async for response in behavior(request, context):
+            async for response in behavior(_requests(request, streaming), context):
                 yield response
         except KvmeshError as error:
             await _report(context, error, method)
@@ -117,23 +171,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
         codec = {
-            "request_deserializer": handler.request_deserializer,
+            "request_deserializer": _tolerant(handler.request_deserializer),
             "response_serializer": handler.response_serializer,
         }
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), **codec
+                _wrap_unary(handler.unary_unary, method, False), **codec
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method), **codec
+                _wrap_unary(handler.stream_unary, method, True), **codec
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method), **codec
+                _wrap_stream(handler.unary_stream, method, False), **codec
             )
         return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream, method), **codec
+            _wrap_stream(handler.stream_stream, method, True), **codec
         )
 
 
@@ -161,7 +215,7 @@ class GrpcServer:
     async def start(self) -> int:
         """Binds, starts serving and marks every service SERVING; returns the gRPC port."""
         server = grpc.aio.server(
-            interceptors=[aio_server_interceptor(), ErrorInterceptor()],
+            interceptors=[aio_server_interceptor(filter_=_TRACED), ErrorInterceptor()],
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

