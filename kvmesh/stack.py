@@ -1,0 +1,218 @@
+"""The plan of a whole kvmesh stack: which services, with which flags and ports.
+
+`kvmesh up` starts exactly this plan as local processes; docker-compose.yml describes the
+same services as containers, and a test checks that the two agree, so they never drift.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+Mode = Literal["disaggregated", "colocated"]
+
+GATEWAY_PORT = 50051
+ROUTER_PORT = 50052
+CACHE_PORT = 50053
+FIRST_WORKER_PORT = 50061
+GATEWAY_METRICS_PORT = 9451
+ROUTER_METRICS_PORT = 9452
+CACHE_METRICS_PORT = 9453
+FIRST_WORKER_METRICS_PORT = 9461
+
+WORKER_ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(slots=True, frozen=True)
+class StackOptions:
+    """What `kvmesh up` was asked for."""
+
+    model: str = "smollm2-135m"
+    """Model spec every worker loads: a known name, a Hugging Face folder or a .gguf file."""
+    tier: str = ""
+    """Tier id clients ask for; empty derives it from the model spec."""
+    mode: Mode = "disaggregated"
+    """Split prefill and decode workers, or colocated workers that do both."""
+    prefill: int = 1
+    """Prefill workers (disaggregated mode)."""
+    decode: int = 1
+    """Decode workers (disaggregated mode); colocated mode starts this many colocated workers."""
+    gateway_port: int = GATEWAY_PORT
+    """Port of the admission gateway, the stack's front door."""
+    tenants: Path | None = None
+    """Tenants file for the gateway; none serves one local tenant on 127.0.0.1."""
+    redis: str = ""
+    """Redis URL for the gateway's budgets and the response cache; empty: both in memory."""
+    host: str = "127.0.0.1"
+    """Address every service binds and is reached on."""
+    state_dir: Path = field(default_factory=lambda: Path(".kvmesh"))
+    """Folder for generated files (the router's pools file)."""
+    worker_args: tuple[str, ...] = ()
+    """Extra flags passed to every worker (e.g. a small KV budget in tests)."""
+
+    @property
+    def tier_name(self) -> str:
+        """The tier id: explicit, else the model's name without folders or suffix."""
+        return self.tier or Path(self.model).name.removesuffix(".gguf")
+
+
+@dataclass(slots=True, frozen=True)
+class StackService:
+    """One process of the stack."""
+
+    name: str
+    """Unique name, also the log prefix and the compose service name (e.g. "decode-0")."""
+    module: str
+    """Python module run with `python -m`."""
+    args: tuple[str, ...]
+    """Flags after the module."""
+    host: str
+    """Address it binds and is reached on."""
+    port: int
+    """gRPC port."""
+    metrics_port: int
+    """Prometheus port."""
+    role: str = ""
+    """Worker role (prefill, decode, both); empty for other services."""
+
+    @property
+    def address(self) -> str:
+        """host:port for clients."""
+        return f"{self.host}:{self.port}"
+
+    def command(self, python: str) -> list[str]:
+        """The argv that starts it."""
+        return [python, "-m", self.module, *self.args]
+
+
+def worker_service(options: StackOptions, role: str, index: int, slot: int) -> StackService:
+    """The `index`-th worker of `role`, on the `slot`-th worker port."""
+    if role not in WORKER_ROLES:
+        raise ValueError(f"worker role must be one of {WORKER_ROLES}, got {role!r}")
+    port = FIRST_WORKER_PORT + slot
+    metrics_port = FIRST_WORKER_METRICS_PORT + slot
+    name = f"{'worker' if role == 'both' else role}-{index}"
+    args = (
+        "--role",
+        role,
+        "--model",
+        options.model,
+        "--tier",
+        options.tier_name,
+        "--host",
+        options.host,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics_port),
+        *options.worker_args,
+    )
+    return StackService(name, "services.worker", args, options.host, port, metrics_port, role)
+
+
+def plan_workers(options: StackOptions) -> list[StackService]:
+    """The workers, in start order."""
+    if options.mode == "colocated":
+        roles = ["both"] * options.decode
+    else:
+        roles = ["prefill"] * options.prefill + ["decode"] * options.decode
+    if not roles or (options.mode == "disaggregated" and not (options.prefill and options.decode)):
+        raise ValueError("a stack needs at least one prefill and one decode worker (or colocated)")
+    counts: dict[str, int] = {}
+    workers = []
+    for slot, role in enumerate(roles):
+        workers.append(worker_service(options, role, counts.get(role, 0), slot))
+        counts[role] = counts.get(role, 0) + 1
+    return workers
+
+
+def pools_document(options: StackOptions, workers: list[StackService]) -> dict[str, Any]:
+    """The router's pools file for these workers (one tier)."""
+    by_role = {role: [w.address for w in workers if w.role == role] for role in WORKER_ROLES}
+    return {
+        "tiers": [
+            {
+                "name": options.tier_name,
+                "base_model": options.model,
+                "quantization": "none",
+                "prefill": by_role["prefill"],
+                "decode": by_role["decode"],
+                "colocated": by_role["both"],
+            }
+        ]
+    }
+
+
+def pools_path(options: StackOptions) -> Path:
+    """Where the generated pools file goes."""
+    return options.state_dir / "pools.yaml"
+
+
+def write_pools_file(options: StackOptions, workers: list[StackService]) -> Path:
+    """Writes the router's pools file and returns its path."""
+    path = pools_path(options)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(pools_document(options, workers), sort_keys=False))
+    return path
+
+
+def plan_stack(options: StackOptions) -> list[StackService]:
+    """Every process, in start order: cache, workers, router, gateway."""
+    host = options.host
+    cache_args = [
+        "--host",
+        host,
+        "--port",
+        str(CACHE_PORT),
+        "--metrics-port",
+        str(CACHE_METRICS_PORT),
+    ]
+    if options.redis:
+        cache_args += ["--redis", options.redis]
+    cache = StackService(
+        "cache", "services.cache", tuple(cache_args), host, CACHE_PORT, CACHE_METRICS_PORT
+    )
+    workers = plan_workers(options)
+    router_args = (
+        "--config",
+        str(pools_path(options)),
+        "--host",
+        host,
+        "--port",
+        str(ROUTER_PORT),
+        "--metrics-port",
+        str(ROUTER_METRICS_PORT),
+    )
+    router = StackService(
+        "router", "services.router", router_args, host, ROUTER_PORT, ROUTER_METRICS_PORT
+    )
+    gateway_args = [
+        "--router",
+        router.address,
+        "--cache",
+        cache.address,
+        "--model-path",
+        f"{options.tier_name}={options.model}",
+        "--host",
+        host,
+        "--port",
+        str(options.gateway_port),
+        "--metrics-port",
+        str(GATEWAY_METRICS_PORT),
+    ]
+    if options.tenants is not None:
+        gateway_args += ["--tenants", str(options.tenants)]
+    if options.redis:
+        gateway_args += ["--redis", options.redis]
+    gateway = StackService(
+        "gateway",
+        "services.admission",
+        tuple(gateway_args),
+        host,
+        options.gateway_port,
+        GATEWAY_METRICS_PORT,
+    )
+    return [cache, *workers, router, gateway]
