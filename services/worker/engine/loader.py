@@ -1,0 +1,283 @@
+"""Load a Llama-architecture model from a Hugging Face folder or a GGUF file.
+
+Both paths produce the same thing: a ModelConfig plus weights under Hugging Face names (GGUF
+tensors dequantized with the `gguf` package, Q/K rows un-permuted back from llama.cpp's rope
+layout), which the model then fuses. The fingerprint hashes the config, dtype, quantization
+and every weight tensor once, here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from services.worker.engine.model_files import (
+    ModelLoadError,
+    model_name,
+    read_json,
+    resolve_model_path,
+)
+from services.worker.engine.models.llama import LlamaModel, ModelConfig
+from services.worker.engine.quant import quantize_model_int8
+from services.worker.engine.tokenizer import Tokenizer
+
+__all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model_path", "save_hf_folder"]
+
+QUANTIZATIONS = ("none", "int8")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+GGUF_ARCHITECTURES = ("llama",)
+FINGERPRINT_CHARS = 16
+
+# GGUF tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
+GGUF_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GGUF_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    fingerprint: str  # hash of config + weights, computed once at load
+    quantization: str  # "none" | "int8"
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_model(
+    spec: str,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    quantization: str = "none",
+) -> LoadedModel:
+    """Load a folder, a .gguf file or a packaged model name.
+
+    ModelLoadError (a ValueError) names what is missing or unsupported."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    target_device = torch.device(device)
+    target_dtype = dtype or (torch.float32 if target_device.type == "cpu" else torch.bfloat16)
+    path = resolve_model_path(spec)
+    if path.is_dir():
+        config, weights = _read_hf_folder(path)
+        tokenizer = Tokenizer.from_hf_folder(path)
+    else:
+        config, weights, tokenizer = _read_gguf(path)
+    fingerprint = weights_fingerprint(config, weights, target_dtype, quantization)
+    try:
+        model = LlamaModel.from_hf_weights(
+            config, weights, dtype=target_dtype, device=target_device
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: weight {exc.args[0]} is missing") from exc
+    except RuntimeError as exc:  # shape mismatches between config and weights
+        raise ModelLoadError(f"{path}: weights do not match config.json: {exc}") from exc
+    if quantization == "int8":
+        quantize_model_int8(model)
+    return LoadedModel(
+        name=model_name(spec),
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=fingerprint,
+        quantization=quantization,
+        dtype=target_dtype,
+        device=target_device,
+    )
+
+
+def weights_fingerprint(
+    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str
+) -> str:
+    """sha256 over the canonical config JSON, dtype, quantization and every weight's bytes."""
+    digest = hashlib.sha256()
+    header = {"config": config.to_json_dict(), "dtype": str(dtype), "quantization": quantization}
+    digest.update(json.dumps(header, sort_keys=True).encode())
+    for name in sorted(weights):
+        tensor = weights[name].detach().contiguous().cpu()
+        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().data)
+    return digest.hexdigest()[:FINGERPRINT_CHARS]
+
+
+def save_hf_folder(loaded: LoadedModel, out_dir: Path) -> None:
+    """Write config.json, model.safetensors and tokenizer files that transformers/vLLM load."""
+    if loaded.quantization != "none":
+        raise ValueError("save_hf_folder needs an unquantized model")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = loaded.tokenizer
+    hf_config = loaded.config.to_hf_dict() | {
+        "torch_dtype": str(loaded.dtype).removeprefix("torch."),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": sorted(tokenizer.eos_token_ids),
+    }
+    _write_json(out_dir / "config.json", hf_config)
+    _write_json(
+        out_dir / "generation_config.json",
+        {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": sorted(tokenizer.eos_token_ids)},
+    )
+    state = {
+        name: tensor.contiguous().cpu() for name, tensor in loaded.model.hf_state_dict().items()
+    }
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.backend.save(str(out_dir / "tokenizer.json"))
+    tok_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": loaded.config.max_position_embeddings,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
+    }
+    if tokenizer.chat_template is not None:
+        tok_config["chat_template"] = tokenizer.chat_template
+    _write_json(out_dir / "tokenizer_config.json", tok_config)
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+
+
+def _read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{folder} has no config.json")
+    raw = read_json(config_path)
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{config_path}: model_type {model_type!r} is not supported ({SUPPORTED_MODEL_TYPES})"
+        )
+    if raw.get("sliding_window") is not None:
+        raise ModelLoadError(f"{config_path}: sliding-window attention is not supported")
+    try:
+        config = ModelConfig.from_hf_dict(raw)
+    except KeyError as exc:
+        raise ModelLoadError(f"{config_path} lacks the field {exc.args[0]!r}") from exc
+    except ValueError as exc:
+        raise ModelLoadError(f"{config_path}: {exc}") from exc
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(folder):
+        weights |= load_file(str(file))
+    return config, weights
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(read_json(index).get("weight_map", {}).values()))
+        missing = [name for name in names if not (folder / name).is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{folder}: weight files listed in {index.name} missing: {missing}"
+            )
+        return [folder / name for name in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weight files")
+    return files
+
+
+def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    import gguf  # slow to import; only GGUF files need it
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except (ValueError, OSError) as exc:
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
+    fields = reader.fields
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    config = _gguf_config(fields, tensors, str(path))
+    weights: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        hf_name = _gguf_to_hf_name(name)
+        if hf_name is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {name!r} (not a Llama GGUF?)")
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weight = torch.from_numpy(array.astype("float32", copy=False).copy())
+        if hf_name.endswith("q_proj.weight"):
+            weight = unpermute_rope_rows(weight, config.num_heads)
+        elif hf_name.endswith("k_proj.weight"):
+            weight = unpermute_rope_rows(weight, config.num_kv_heads)
+        weights[hf_name] = weight
+    return config, weights, Tokenizer.from_gguf_fields(fields, source=str(path))
+
+
+def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time permutation of Q/K rows (interleaved rope pairs back to
+    Hugging Face's half-split layout)."""
+    rows = weight.shape[0]
+    half_dim = rows // num_heads // 2
+    return (
+        weight.reshape(num_heads, half_dim, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
+        .contiguous()
+    )
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in GGUF_GLOBAL_TENSORS:
+        return GGUF_GLOBAL_TENSORS[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{GGUF_LAYER_TENSORS[parts[2]]}"
+    return None
+
+
+def _gguf_config(fields: Any, tensors: dict[str, Any], source: str) -> ModelConfig:
+    def field(key: str, default: Any = None) -> Any:
+        return fields[key].contents() if key in fields else default
+
+    arch = field("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{source}: GGUF architecture {arch!r} is not supported")
+    if "rope_freqs.weight" in tensors:
+        raise ModelLoadError(f"{source}: GGUF rope_freqs (baked-in rope scaling) is not supported")
+
+    def required(key: str) -> Any:
+        value = field(f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{source}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden_size = int(required("embedding_length"))
+    num_heads = int(required("attention.head_count"))
+    scaling = None
+    if field(f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(required("rope.scaling.factor"))}
+    tokens = field("tokenizer.ggml.tokens") or []
+    return ModelConfig(
+        vocab_size=int(field(f"{arch}.vocab_size") or len(tokens)),
+        hidden_size=hidden_size,
+        intermediate_size=int(required("feed_forward_length")),
+        num_layers=int(required("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(field(f"{arch}.attention.head_count_kv") or num_heads),
+        head_dim=int(field(f"{arch}.attention.key_length") or hidden_size // num_heads),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(required("context_length")),
+        tie_word_embeddings="output.weight" not in tensors,
+    )

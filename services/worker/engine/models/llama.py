@@ -1,0 +1,328 @@
+"""The Llama architecture in plain PyTorch, reading and writing a paged KV cache.
+
+Covers Llama 2/3, SmolLM2, Mistral-style checkpoints: RMSNorm, rotary embeddings (default,
+linear and the Llama-3 "llama3" scaling), grouped-query attention, SwiGLU MLP, tied or untied
+embeddings. Q/K/V and gate/up projections are fused into one matmul each (done by the loader)
+because at batch 1 every extra kernel launch is overhead on top of the weight reads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.engine.attention import AttentionBatch, paged_attention
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        rope_type = rope_type_of(self.rope_scaling)
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+            )
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """Canonical field dict (used for the fingerprint and for save_hf_folder)."""
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The Hugging Face LlamaConfig fields (legacy rope keys, which every version reads)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config.json (transformers 4.x `rope_scaling`/`rope_theta` keys or
+        5.x `rope_parameters`). Raises KeyError naming a missing field, ValueError otherwise."""
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} (Llama uses silu)")
+        if raw.get("attention_bias") or raw.get("mlp_bias"):
+            raise ValueError("attention_bias / mlp_bias checkpoints are not supported")
+        rope_parameters = raw.get("rope_parameters")
+        if isinstance(rope_parameters, dict):
+            rope_theta = float(rope_parameters.get("rope_theta", raw.get("rope_theta", 10000.0)))
+            scaling = {k: v for k, v in rope_parameters.items() if k != "rope_theta"}
+        else:
+            rope_theta = float(raw.get("rope_theta", 10000.0))
+            scaling = dict(raw.get("rope_scaling") or {})
+        num_heads = int(raw["num_attention_heads"])
+        hidden_size = int(raw["hidden_size"])
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden_size,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+            rope_theta=rope_theta,
+            rope_scaling=normalize_rope_scaling(scaling),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
+
+
+def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
+    if not rope_scaling:
+        return "default"
+    return str(rope_scaling.get("rope_type", rope_scaling.get("type", "default")))
+
+
+def normalize_rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
+    """None for plain RoPE; otherwise the dict with its type under "rope_type"."""
+    rope_type = rope_type_of(scaling)
+    if rope_type == "default":
+        return None
+    normalized = {k: v for k, v in scaling.items() if k != "type"}
+    normalized["rope_type"] = rope_type
+    return normalized
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies, computed exactly as transformers does."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling
+    rope_type = rope_type_of(scaling)
+    if scaling is None or rope_type == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    # Llama 3: long wavelengths slowed by `factor`, short kept, a smooth ramp in between.
+    old_context = float(scaling["original_max_position_embeddings"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryTables(nn.Module):
+    """cos and signed-sin tables for every position, so applying RoPE costs three kernels:
+    x * cos + roll(x, half) * sin_signed (roll swaps the halves; sin_signed = [-sin, sin])."""
+
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], dim=-1), persistent=False)
+        self.register_buffer(
+            "sin_signed", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False
+        )
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, head_dim] cos and signed sin for the given positions."""
+        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.addcmul(x * cos, torch.roll(x, half, dims=-1), sin_signed)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.eps = config.rms_norm_eps
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.input_norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.post_attention_norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin_signed: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """hidden [T, hidden_size] -> the layer's output; kv_cache [2, blocks, block, kv, dim]."""
+        tokens = hidden.shape[0]
+        x = F.rms_norm(hidden, (hidden.shape[-1],), self.input_norm, self.eps)
+        qkv = self.qkv_proj(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        rotated = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin_signed)
+        q = rotated[:, : self.num_heads]
+        k = rotated[:, self.num_heads :]
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        attn = paged_attention(q, k, v, kv_cache, batch)
+        hidden = hidden + self.o_proj(attn.view(tokens, -1))
+        x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attention_norm, self.eps)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
+        self.final_norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryTables(config)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden_size] after the last layer (before the final norm)."""
+        hidden = self.embed_tokens(token_ids)
+        cos, sin_signed = self.rotary.lookup(positions)
+        cos, sin_signed = cos.to(hidden.dtype), sin_signed.to(hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin_signed, kv_cache, batch)
+        return hidden
+
+    def decoder_layers(self) -> list[LlamaLayer]:
+        return [layer for layer in self.layers if isinstance(layer, LlamaLayer)]
+
+    @classmethod
+    def from_hf_weights(
+        cls,
+        config: ModelConfig,
+        hf_state: dict[str, torch.Tensor],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LlamaModel:
+        """Build the model from Hugging Face-named weights (fusing Q/K/V and gate/up) without
+        ever initializing random weights. KeyError names a missing weight."""
+        with torch.device("meta"):
+            model = cls(config)
+        fused = {
+            name: tensor.to(device=device, dtype=dtype)
+            for name, tensor in fuse_hf_weights(config, hf_state).items()
+        }
+        model.load_state_dict(fused, strict=True, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        model.rotary = RotaryTables(config).to(device)
+        return model.eval()
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under Hugging Face names, Q/K/V and gate/up split again."""
+        config = self.config
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        state = {"model.embed_tokens.weight": self.embed_tokens.weight.detach()}
+        for i, layer in enumerate(self.decoder_layers()):
+            prefix = f"model.layers.{i}."
+            q, k, v = layer.qkv_proj.weight.detach().split([q_size, kv_size, kv_size])
+            gate, up = layer.gate_up_proj.weight.detach().chunk(2)
+            state |= {
+                prefix + "input_layernorm.weight": layer.input_norm.detach(),
+                prefix + "self_attn.q_proj.weight": q,
+                prefix + "self_attn.k_proj.weight": k,
+                prefix + "self_attn.v_proj.weight": v,
+                prefix + "self_attn.o_proj.weight": layer.o_proj.weight.detach(),
+                prefix + "post_attention_layernorm.weight": layer.post_attention_norm.detach(),
+                prefix + "mlp.gate_proj.weight": gate,
+                prefix + "mlp.up_proj.weight": up,
+                prefix + "mlp.down_proj.weight": layer.down_proj.weight.detach(),
+            }
+        state["model.norm.weight"] = self.final_norm.detach()
+        if not config.tie_word_embeddings:
+            state["lm_head.weight"] = self.lm_head.weight.detach()
+        return state
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for the given rows of final hidden states."""
+        x = F.rms_norm(hidden, (hidden.shape[-1],), self.final_norm, self.config.rms_norm_eps)
+        return self.lm_head(x).float()
+
+
+def fuse_hf_weights(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama weight names -> this module's (fused) parameter names."""
+    fused = {
+        "embed_tokens.weight": hf["model.embed_tokens.weight"],
+        "final_norm": hf["model.norm.weight"],
+        "lm_head.weight": hf["model.embed_tokens.weight"]
+        if config.tie_word_embeddings
+        else hf["lm_head.weight"],
+    }
+    for i in range(config.num_layers):
+        src = f"model.layers.{i}."
+        dst = f"layers.{i}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        fused |= {
+            dst + "input_norm": hf[src + "input_layernorm.weight"],
+            dst + "qkv_proj.weight": torch.cat(
+                [hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]]
+            ),
+            dst + "o_proj.weight": hf[attn + "o_proj.weight"],
+            dst + "post_attention_norm": hf[src + "post_attention_layernorm.weight"],
+            dst + "gate_up_proj.weight": torch.cat(
+                [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
+            ),
+            dst + "down_proj.weight": hf[mlp + "down_proj.weight"],
+        }
+    return fused

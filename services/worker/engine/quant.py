@@ -1,0 +1,58 @@
+"""int8 weight-only quantization: symmetric, one scale per output channel.
+
+Applied at load time to the attention and MLP projections; embeddings, norms and the LM head
+stay in floating point. The matmul is torch's `_weight_int8pack_mm`, which reads the int8
+weights directly. On this CPU (AVX-512) it is ~4x faster than an fp32 matmul at batch 1 when
+fed bf16 activations, and about as fast as fp32 at batch 32; with fp32 activations it is
+slower than fp32. So activations go through bf16 for the matmul and come back in the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.worker.engine.models.llama import LlamaModel
+
+QUANTIZED_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+INT8_MAX = 127
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float weight -> (int8 weight, fp32 scale per output row) with w ~= q * scale."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
+    q = torch.round(w / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (q * scale).T without materializing the float weight."""
+
+    weight_int8: torch.Tensor
+    scales: torch.Tensor
+    in_features: int
+    out_features: int
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("Int8Linear supports bias-free projections only")
+        q, scale = quantize_per_channel(linear.weight.detach())
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("scales", scale.to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+
+def quantize_model_int8(model: LlamaModel) -> None:
+    """Swap every layer's projections for Int8Linear, in place."""
+    for layer in model.decoder_layers():
+        for name in QUANTIZED_PROJECTIONS:
+            linear = getattr(layer, name)
+            setattr(layer, name, Int8Linear(linear))
