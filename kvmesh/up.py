@@ -1,31 +1,53 @@
-"""`kvmesh up`: the whole mesh as local processes, ready for `kvmesh generate`."""
+"""`kvmesh up`: the whole mesh as local processes, ready for `kvmesh generate`.
+
+While it runs it listens on a control socket in the state folder, so `kvmesh scale` can add
+workers (started, then announced to the router) or drain them (taken out of the router's
+rotation, then SIGTERM: the worker turns NOT_SERVING and finishes its in-flight requests).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvmesh.stack import StackOptions, StackService, plan_stack, write_pools_file
-from kvmesh.supervisor import Printer, StartupError, Supervisor
+from kvmesh.channels import insecure_channel
+from kvmesh.control import serve_control, socket_path
+from kvmesh.errors import InvalidArgument
+from kvmesh.stack import (
+    StackOptions,
+    StackService,
+    plan_stack,
+    worker_service,
+    write_pools_file,
+)
+from kvmesh.supervisor import Child, Printer, StartupError, Supervisor
 from kvmesh.telemetry import TRACE_FILE_ENV
+from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
+
+POOL_ROLES = {"prefill": "prefill", "decode": "decode", "worker": "both", "colocated": "both"}
+"""`kvmesh scale POOL` names -> worker roles."""
+
+ROLE_PROTO = {
+    "prefill": worker_pb2.WORKER_ROLE_PREFILL,
+    "decode": worker_pb2.WORKER_ROLE_DECODE,
+    "both": worker_pb2.WORKER_ROLE_BOTH,
+}
 
 
 def start_waves(services: list[StackService]) -> list[list[StackService]]:
     """Cache and workers first (they depend on nothing), then the router, then the gateway."""
-    later = {"router", "gateway"}
+    later = ("router", "gateway")
     first = [s for s in services if s.name not in later]
-    return [
-        first,
-        [s for s in services if s.name == "router"],
-        [s for s in services if s.name == "gateway"],
-    ]
+    return [first, *([s for s in services if s.name == name] for name in later)]
 
 
 def make_printer(console: Console) -> Printer:
@@ -52,50 +74,137 @@ def summary(services: list[StackService]) -> Table:
     return table
 
 
+@dataclass
+class Stack:
+    """A running stack: its options, its processes, and the scaling operations on them."""
+
+    options: StackOptions
+    supervisor: Supervisor
+    console: Console
+    services: list[StackService] = field(default_factory=list)
+
+    @property
+    def router(self) -> StackService:
+        return next(s for s in self.services if s.name == "router")
+
+    def workers(self, role: str) -> list[Child]:
+        """Running workers of a role, oldest first."""
+        return [c for c in self.supervisor.children if c.service.role == role]
+
+    async def _router_call(self, method: str, request: Any) -> router_pb2.WorkerChangeResponse:
+        async with insecure_channel(self.router.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            reply: router_pb2.WorkerChangeResponse = await getattr(stub, method)(
+                request, timeout=10
+            )
+            return reply
+
+    async def add_worker(self, role: str) -> StackService:
+        """Starts one more worker of `role` and announces it to the router."""
+        used_slots = {s.port for s in self.services}
+        slot = 0
+        while worker_service(self.options, role, 0, slot).port in used_slots:
+            slot += 1
+        index = max(
+            (int(s.name.rsplit("-", 1)[1]) + 1 for s in self.services if s.role == role), default=0
+        )
+        service = worker_service(self.options, role, index, slot)
+        self.supervisor.check_ports([service])
+        child = await self.supervisor.spawn(service)
+        await self.supervisor.wait_ready([child])
+        self.services.append(service)
+        await self._router_call(
+            "AddWorker",
+            router_pb2.AddWorkerRequest(
+                tier=self.options.tier_name, role=ROLE_PROTO[role], address=service.address
+            ),
+        )
+        return service
+
+    async def drain_worker(self, role: str) -> StackService:
+        """Takes the newest worker of `role` out of rotation, then lets it finish and exit."""
+        running = self.workers(role)
+        if len(running) <= 1:
+            raise InvalidArgument("delta", f"the {role} pool keeps at least one worker")
+        child = running[-1]
+        await self._router_call(
+            "RemoveWorker", router_pb2.RemoveWorkerRequest(address=child.service.address)
+        )
+        await self.supervisor.stop(child)
+        self.services.remove(child.service)
+        return child.service
+
+    async def handle_control(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Serves one `kvmesh scale` request: {"op": "scale", "pool": ..., "delta": ...}."""
+        if request.get("op") != "scale":
+            raise InvalidArgument("op", f"unknown operation {request.get('op')!r}")
+        pool = str(request.get("pool", ""))
+        if pool not in POOL_ROLES:
+            raise InvalidArgument("pool", f"must be one of {sorted(POOL_ROLES)}, got {pool!r}")
+        delta = int(request.get("delta", 0))
+        role = POOL_ROLES[pool]
+        changed: list[str] = []
+        for _ in range(abs(delta)):
+            service = await (self.add_worker(role) if delta > 0 else self.drain_worker(role))
+            verb = "added" if delta > 0 else "drained"
+            self.console.print(f"[bold]{verb} {service.name} at {service.address}[/]")
+            changed.append(service.address)
+        return {"ok": True, "pool": pool, "changed": changed, "workers": len(self.workers(role))}
+
+
 async def run_up(options: StackOptions, trace_file: Path | None, console: Console) -> int:
     """Starts the stack, waits for Ctrl-C / SIGTERM or a crash, stops everything; exit code.
 
     `trace_file` must be absolute: every service appends its spans to it."""
-    services = plan_stack(options)
     env = {TRACE_FILE_ENV: str(trace_file)} if trace_file else {}
-    supervisor = Supervisor(printer=make_printer(console), env=env)
+    stack = Stack(options, Supervisor(printer=make_printer(console), env=env), console)
+    stack.services = plan_stack(options)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        supervisor.check_ports(services)
-        write_pools_file(options, [s for s in services if s.role])
-        starting = asyncio.create_task(supervisor.start_all(start_waves(services)))
+        stack.supervisor.check_ports(stack.services)
+        write_pools_file(options, [s for s in stack.services if s.role])
+        starting = asyncio.create_task(stack.supervisor.start_all(start_waves(stack.services)))
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():
             starting.cancel()
             console.print("[yellow]interrupted while starting: stopping[/]")
-            await supervisor.stop_all()
+            await stack.supervisor.stop_all()
             return 130
         starting.result()
     except StartupError as error:
         console.print(f"[bold red]kvmesh up failed:[/] {error}")
-        await supervisor.stop_all()
+        await stack.supervisor.stop_all()
         return 1
-    gateway = next(s for s in services if s.name == "gateway")
-    console.print(summary(services))
+    control = await serve_control(socket_path(options.state_dir), stack.handle_control)
+    gateway = next(s for s in stack.services if s.name == "gateway")
+    console.print(summary(stack.services))
     console.print(f"[bold green]gateway ready at {gateway.address}[/]")
     console.print(f'try: kvmesh generate --target {gateway.address} "Hello"', markup=False)
-    crashed = asyncio.create_task(supervisor.first_exit())
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({crashed, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    code = 0
-    if crashed.done():
-        child = crashed.result()
-        console.print(
-            f"[bold red]{child.service.name} exited unexpectedly (code {child.process.returncode});"
-            " stopping the stack[/]"
-        )
-        code = 1
-    else:
-        crashed.cancel()
-        console.print("[yellow]stopping kvmesh[/]")
-    await supervisor.stop_all()
+    code = await wait_for_stop_or_crash(stack, stop)
+    control.close()
+    await stack.supervisor.stop_all()
+    socket_path(options.state_dir).unlink(missing_ok=True)
     return code
+
+
+async def wait_for_stop_or_crash(stack: Stack, stop: asyncio.Event) -> int:
+    """0 after Ctrl-C / SIGTERM; 1 when a service exits by itself (not a drained worker)."""
+    stopped = asyncio.create_task(stop.wait())
+    while True:
+        crashed = asyncio.create_task(stack.supervisor.first_exit())
+        await asyncio.wait({crashed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if stopped.done():
+            crashed.cancel()
+            stack.console.print("[yellow]stopping kvmesh[/]")
+            return 0
+        child = crashed.result()
+        if child in stack.supervisor.children:
+            stack.console.print(
+                f"[bold red]{child.service.name} exited unexpectedly"
+                f" (code {child.process.returncode}); stopping the stack[/]"
+            )
+            return 1

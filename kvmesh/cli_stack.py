@@ -1,0 +1,180 @@
+"""The stack's CLI commands: `kvmesh up`, `kvmesh bench`, `kvmesh status`, `kvmesh scale`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvmesh.bench_report import RequestResult, Slo, plot_results, summarize, summary_table
+from kvmesh.channels import insecure_channel
+from kvmesh.control import call_control, socket_path
+from kvmesh.loadgen import LoadSpec, run_load
+from kvmesh.stack import GATEWAY_PORT, ROUTER_PORT, StackOptions
+from kvmesh.up import run_up
+from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
+
+DEFAULT_GATEWAY = f"127.0.0.1:{GATEWAY_PORT}"
+DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
+
+
+def add_stack_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Registers up, bench, status and scale on the `kvmesh` parser."""
+    up = commands.add_parser("up", help="run the whole mesh as local processes")
+    up.add_argument("--model", default="smollm2-135m", help="model spec every worker loads")
+    up.add_argument("--tier", default="", help="tier id clients ask for (default: from the model)")
+    up.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    up.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
+    up.add_argument("--port", type=int, default=GATEWAY_PORT, help="gateway port")
+    up.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    up.add_argument("--tenants", type=Path, default=None, help="tenants YAML for the gateway")
+    up.add_argument("--redis", default="", help="Redis URL for budgets and the response cache")
+    up.add_argument("--trace-file", type=Path, default=None, help="write spans as JSON lines")
+    up.add_argument("--state-dir", type=Path, default=Path(".kvmesh"), help="generated files")
+    up.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra flag for every worker (repeatable), e.g. --worker-arg=--kv-blocks=256",
+    )
+    up.set_defaults(func=cmd_up)
+
+    bench = commands.add_parser("bench", help="load-test a gateway (vLLM-style serving metrics)")
+    bench.add_argument("--target", default=DEFAULT_GATEWAY)
+    bench.add_argument("--rate", type=float, default=math.inf, help="requests/s (Poisson)")
+    bench.add_argument("--concurrency", type=int, default=0, help="most in flight (0: no limit)")
+    bench.add_argument("--num-requests", type=int, default=100)
+    bench.add_argument("--workload", choices=["random", "prefix", "mixed"], default="random")
+    bench.add_argument("--input-words", type=int, default=64)
+    bench.add_argument("--output-tokens", type=int, default=64)
+    bench.add_argument("--model", default="")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--api-key", default="")
+    bench.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
+    bench.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds")
+    bench.add_argument("--json", type=Path, default=None, help="write the summary as JSON")
+    bench.add_argument("--plot", type=Path, default=None, help="write a PNG")
+    bench.set_defaults(func=cmd_bench)
+
+    status = commands.add_parser("status", help="pools, workers, load and scaling signals")
+    status.add_argument("--router", default=DEFAULT_ROUTER)
+    status.set_defaults(func=cmd_status)
+
+    scale = commands.add_parser("scale", help="add or drain workers of a running `kvmesh up`")
+    scale.add_argument("pool", choices=["prefill", "decode", "worker", "colocated"])
+    scale.add_argument("delta", help="+N to add, -N to drain")
+    scale.add_argument("--state-dir", type=Path, default=Path(".kvmesh"))
+    scale.set_defaults(func=cmd_scale)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    options = StackOptions(
+        model=args.model,
+        tier=args.tier,
+        mode=args.mode,
+        prefill=args.prefill,
+        decode=args.decode,
+        gateway_port=args.port,
+        tenants=args.tenants,
+        redis=args.redis,
+        host=args.host,
+        state_dir=args.state_dir,
+        worker_args=tuple(args.worker_arg),
+    )
+    trace_file = args.trace_file.resolve() if args.trace_file else None
+    return asyncio.run(run_up(options, trace_file, Console()))
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    spec = LoadSpec(
+        num_requests=args.num_requests,
+        rate=args.rate,
+        concurrency=args.concurrency,
+        workload=args.workload,
+        input_words=args.input_words,
+        output_tokens=args.output_tokens,
+        model=args.model,
+        seed=args.seed,
+        api_key=args.api_key,
+    )
+    console = Console()
+    columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("requests", total=spec.num_requests)
+
+        def advance(_: RequestResult) -> None:
+            progress.advance(task)
+
+        results, duration = asyncio.run(run_load(args.target, spec, advance))
+    report = summarize(results, duration, Slo(args.slo_ttft, args.slo_tpot))
+    console.print(summary_table(report, f"kvmesh bench → {args.target} ({spec.workload})"))
+    for error in report["errors"]:
+        console.print(f"[red]error:[/] {error}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"spec": _spec_dict(spec), **report}, indent=2))
+    if args.plot:
+        plot_results(results, report, args.plot)
+    return 0 if report["failed"] == 0 else 1
+
+
+def _spec_dict(spec: LoadSpec) -> dict[str, object]:
+    return {name: getattr(spec, name) for name in spec.__slots__ if name != "api_key"}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    async def fetch() -> router_pb2.RouterStatusResponse:
+        async with insecure_channel(args.router) as channel:
+            reply: router_pb2.RouterStatusResponse = await router_pb2_grpc.RouterStub(
+                channel
+            ).Status(router_pb2.RouterStatusRequest(), timeout=10)
+            return reply
+
+    status = asyncio.run(fetch())
+    table = Table(title=f"kvmesh status ({args.router})")
+    for column in ("tier", "pool", "worker", "healthy", "running", "waiting", "KV used", "tok/s"):
+        table.add_column(column)
+    table.add_column("recommended", justify="right")
+    for pool in status.pools:
+        role = worker_pb2.WorkerRole.Name(pool.role).removeprefix("WORKER_ROLE_").lower()
+        for index, worker in enumerate(pool.workers):
+            stats = worker.stats
+            used = stats.kv_blocks_total - stats.kv_blocks_free
+            table.add_row(
+                pool.tier,
+                role,
+                worker.address,
+                "yes" if worker.healthy else "NO",
+                str(stats.running),
+                str(stats.waiting),
+                f"{used}/{stats.kv_blocks_total}",
+                f"{stats.tokens_per_second:.1f}",
+                str(pool.recommended_replicas) if index == 0 else "",
+            )
+    Console().print(table)
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    delta = int(args.delta)
+    reply = asyncio.run(
+        call_control(
+            socket_path(args.state_dir), {"op": "scale", "pool": args.pool, "delta": delta}
+        )
+    )
+    console = Console()
+    if not reply.get("ok"):
+        console.print(f"[bold red]scale failed:[/] {reply.get('error')}")
+        return 1
+    console.print(
+        f"{args.pool}: {'added' if delta > 0 else 'drained'} {', '.join(reply['changed'])};"
+        f" {reply['workers']} now"
+    )
+    return 0
