@@ -285,16 +285,6 @@ def configure_logging(config: ServerConfig, service_name: str) -> None:
 async def serve(server: GrpcServer) -> None:
     """Starts `server`, prints its ready line, and runs until SIGTERM or SIGINT."""
     setup_tracing(server.service_name)
-    started = time.monotonic()
-    await server.start()
-    print(server.ready_line(), flush=True)
-    log.info(
-        "%s serving on %s (metrics port %s) after %.1fs",
-        server.service_name,
-        server.address,
-        server.metrics_port,
-        time.monotonic() - started,
-    )
     loop = asyncio.get_running_loop()
     stop_task: list[asyncio.Task[None]] = []
 
@@ -303,8 +293,21 @@ async def serve(server: GrpcServer) -> None:
         if not stop_task:
             stop_task.append(loop.create_task(server.stop()))
 
+    # Handlers go in before the ready line: a SIGTERM right after it must still drain.
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, request_stop, signum)
+    started = time.monotonic()
+    await server.start()
+    if stop_task:  # a signal arrived while starting, when stop() had nothing to stop yet
+        await server.stop()
+    print(server.ready_line(), flush=True)
+    log.info(
+        "%s serving on %s (metrics port %s) after %.1fs",
+        server.service_name,
+        server.address,
+        server.metrics_port,
+        time.monotonic() - started,
+    )
     await server.wait()
     if stop_task:
         await stop_task[0]
