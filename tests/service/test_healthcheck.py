@@ -1,0 +1,73 @@
+"""`python -m kvmesh.healthcheck` against a real gRPC health service on loopback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvmesh.healthcheck import main
+from tests.procs import REPO_ROOT
+
+SERVICE = "kvmesh.v1.Cache"
+
+
+@pytest.fixture
+def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
+    servicer = health.HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    yield f"127.0.0.1:{port}", servicer
+    server.stop(None)
+
+
+def test_serving_server_exits_zero(health_server: tuple[str, health.HealthServicer]) -> None:
+    address, _ = health_server
+    assert main([address]) == 0
+    assert main([address, "--service", SERVICE]) == 0
+
+
+def test_not_serving_exits_one_and_says_so(
+    health_server: tuple[str, health.HealthServicer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, servicer = health_server
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert main([address]) == 1
+    assert f"{address}: NOT_SERVING" in capsys.readouterr().err
+
+
+def test_unknown_service_exits_one(
+    health_server: tuple[str, health.HealthServicer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, _ = health_server
+    assert main([address, "--service", "kvmesh.v1.Nothing"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_nothing_listening_exits_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free_port = probe.getsockname()[1]
+    assert main([f"127.0.0.1:{free_port}", "--timeout-s", "1"]) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_module_entry_point_sets_the_exit_status(
+    health_server: tuple[str, health.HealthServicer],
+) -> None:
+    """What the container health check runs: the process exit status is the verdict."""
+    address, servicer = health_server
+    command = [sys.executable, "-m", "kvmesh.healthcheck", address]
+    assert subprocess.run(command, cwd=REPO_ROOT, timeout=30).returncode == 0
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    assert subprocess.run(command, cwd=REPO_ROOT, timeout=30).returncode == 1
