@@ -1,0 +1,220 @@
+"""docker-compose.yml and deploy/ describe the same stack that `kvmesh up` starts.
+
+kvmesh/stack.py is the single source: every process of `plan_stack` must appear in compose
+under the same name, running the same module with the same flags and ports, and the router's
+pools file must hold the same tiers and workers. Addresses differ only in their host part:
+in containers a service is reached by its compose service name.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvmesh.stack import (
+    StackOptions,
+    StackService,
+    plan_stack,
+    plan_workers,
+    pools_document,
+    pools_path,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+DEPLOY = REPO_ROOT / "deploy"
+
+CONFIG_DIR = Path("/etc/kvmesh")
+COMPOSE_OPTIONS = StackOptions(
+    host="0.0.0.0",
+    redis="redis://redis:6379/0",
+    state_dir=CONFIG_DIR,
+    tenants=CONFIG_DIR / "tenants.yaml",
+)
+"""The `kvmesh up` options compose corresponds to: bind every interface, Redis for the gateway
+and the cache, config files mounted under /etc/kvmesh (a gateway without a tenants file
+listens on 127.0.0.1 only, out of reach from other containers)."""
+
+PLAN = plan_stack(COMPOSE_OPTIONS)
+WORKERS = [service for service in PLAN if service.role]
+OTLP_ENDPOINT = "http://otel-collector:4317"
+DEMO_API_KEY = "kvm_compose-demo-key"
+"""The demo tenant's key, as README.md and deploy/tenants.yaml document it."""
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    document = yaml.safe_load(COMPOSE_FILE.read_text(encoding="utf-8"))
+    services: dict[str, Any] = document["services"]
+    return services
+
+
+def in_compose(value: str) -> str:
+    """A plan argument as compose writes it: another service's address becomes name:port."""
+    for service in PLAN:
+        if value == service.address:
+            return f"{service.name}:{service.port}"
+    return value
+
+
+def expected_command(service: StackService) -> list[str]:
+    return ["python", "-m", service.module, *(in_compose(arg) for arg in service.args)]
+
+
+def test_docker_compose_accepts_the_file() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.fail(
+            "docker-compose is not installed: `apt-get install -y docker-compose` "
+            "(.ci/run installs it), then rerun"
+        )
+    for profile in ("cpu", "gpu"):
+        result = subprocess.run(
+            [binary, "--profile", profile, "config", "--quiet"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, f"docker-compose config ({profile}): {result.stderr}"
+
+
+def test_compose_runs_the_services_of_kvmesh_up(compose: dict[str, Any]) -> None:
+    kvmesh_services = {
+        name
+        for name, spec in compose.items()
+        if spec.get("command", [])[:2] == ["python", "-m"] and "gpu" not in spec.get("profiles", [])
+    }
+    assert kvmesh_services == {service.name for service in plan_stack(StackOptions())}
+
+
+@pytest.mark.parametrize("service", PLAN, ids=lambda s: s.name)
+def test_same_module_flags_and_ports(compose: dict[str, Any], service: StackService) -> None:
+    spec = compose[service.name]
+    assert spec["command"] == expected_command(service)
+    assert spec["expose"] == [str(service.port), str(service.metrics_port)]
+    assert spec["healthcheck"]["test"] == [
+        "CMD",
+        "python",
+        "-m",
+        "kvmesh.healthcheck",
+        f"127.0.0.1:{service.port}",
+    ]
+    assert spec["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == OTLP_ENDPOINT
+
+
+def test_gateway_is_published_on_its_port(compose: dict[str, Any]) -> None:
+    gateway = next(service for service in PLAN if service.name == "gateway")
+    port = COMPOSE_OPTIONS.gateway_port
+    assert compose[gateway.name]["ports"] == [f"127.0.0.1:{port}:{gateway.port}"]
+
+
+def test_config_files_are_mounted_where_the_flags_point(compose: dict[str, Any]) -> None:
+    assert f"./deploy/pools.yaml:{pools_path(COMPOSE_OPTIONS)}:ro" in compose["router"]["volumes"]
+    tenants_mounts = [v for v in compose["gateway"]["volumes"] if ":/etc/kvmesh/" in v]
+    assert tenants_mounts == [
+        f"${{KVMESH_TENANTS_FILE:-./deploy/tenants.yaml}}:{COMPOSE_OPTIONS.tenants}:ro"
+    ]
+
+
+def test_pools_file_matches_the_plan() -> None:
+    expected = pools_document(COMPOSE_OPTIONS, plan_workers(COMPOSE_OPTIONS))
+    for tier in expected["tiers"]:
+        for role in ("prefill", "decode", "colocated"):
+            tier[role] = [in_compose(address) for address in tier[role]]
+    assert yaml.safe_load((DEPLOY / "pools.yaml").read_text(encoding="utf-8")) == expected
+
+
+def test_demo_tenant_file_holds_the_documented_key() -> None:
+    from services.admission.tenants import hash_key, load_tenants
+
+    tenants = load_tenants(DEPLOY / "tenants.yaml")
+    assert [t.key_sha256 for t in tenants] == [hash_key(DEMO_API_KEY)]
+
+
+def test_dependencies_wait_for_health(compose: dict[str, Any]) -> None:
+    for name, spec in compose.items():
+        for target, rule in spec.get("depends_on", {}).items():
+            wanted = "service_healthy" if "healthcheck" in compose[target] else "service_started"
+            assert rule == {"condition": wanted}, f"{name} -> {target}"
+    assert set(compose["gateway"]["depends_on"]) >= {"redis", "cache", "router"}
+    assert set(compose["cache"]["depends_on"]) >= {"redis"}
+
+
+@pytest.mark.parametrize("worker", WORKERS, ids=lambda s: s.name)
+def test_workers_run_on_cpu_or_reserve_a_gpu(compose: dict[str, Any], worker: StackService) -> None:
+    cpu, gpu = compose[worker.name], compose[f"{worker.name}-gpu"]
+    assert cpu["profiles"] == ["cpu"]
+    assert "deploy" not in cpu
+    assert gpu["profiles"] == ["gpu"]
+    assert gpu["command"] == cpu["command"]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
+    assert gpu["environment"] == {**cpu["environment"], "KVMESH_WORKER_DEVICE": "cuda"}
+    for variant in (cpu, gpu):
+        # Both answer to the plan's name, which the pools file and Prometheus use.
+        assert variant["networks"]["default"]["aliases"] == [worker.name]
+        advertised = variant["environment"]["KVMESH_WORKER_ADVERTISE_ADDRESS"]
+        assert advertised == f"{worker.name}:{worker.port}"
+
+
+def test_plain_up_selects_the_cpu_profile(compose: dict[str, Any]) -> None:
+    settings = dict(
+        line.split("=", 1)
+        for line in (REPO_ROOT / ".env").read_text(encoding="utf-8").splitlines()
+        if line and not line.startswith("#")
+    )
+    assert settings["COMPOSE_PROFILES"] == "cpu"
+    workers = {name for name, spec in compose.items() if spec.get("profiles")}
+    for name, spec in compose.items():
+        # A dependency outside the active profiles is an error, so nothing may wait on a worker.
+        assert not workers & set(spec.get("depends_on", {})), name
+
+
+def test_prometheus_scrapes_every_metrics_port() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text(encoding="utf-8"))
+    scraped = {
+        (target, group["labels"]["service"])
+        for job in config["scrape_configs"]
+        for group in job["static_configs"]
+        for target in group["targets"]
+    }
+    assert scraped == {(f"{s.name}:{s.metrics_port}", s.name) for s in PLAN}
+
+
+METRIC_NAME = re.compile(r"kvmesh:[a-z0-9_:]+")
+EXPOSITION_SUFFIX = re.compile(r"_(total|bucket|sum|count)$")
+
+
+def defined_metrics() -> set[str]:
+    """Every `kvmesh:` metric name a prometheus_client metric is declared with in the code."""
+    literal = re.compile(r"[\"'](kvmesh:[a-z0-9_:]+)[\"']")
+    sources = [*(REPO_ROOT / "kvmesh").rglob("*.py"), *(REPO_ROOT / "services").rglob("*.py")]
+    return {
+        EXPOSITION_SUFFIX.sub("", name)
+        for path in sources
+        for name in literal.findall(path.read_text(encoding="utf-8"))
+    }
+
+
+def test_dashboard_queries_metrics_the_services_export() -> None:
+    dashboard = (DEPLOY / "grafana" / "dashboards" / "kvmesh.json").read_text(encoding="utf-8")
+    queried = {EXPOSITION_SUFFIX.sub("", name) for name in METRIC_NAME.findall(dashboard)}
+    assert queried <= defined_metrics(), queried - defined_metrics()
+    # TTFT, ITL, tokens/s, KV usage, queue depth, shed rate, cost per tenant.
+    assert queried >= {
+        "kvmesh:time_to_first_token_seconds",
+        "kvmesh:inter_token_latency_seconds",
+        "kvmesh:generation_tokens",
+        "kvmesh:kv_cache_usage_perc",
+        "kvmesh:num_requests_waiting",
+        "kvmesh:requests_shed",
+        "kvmesh:tenant_cost_usd",
+    }
