@@ -1,0 +1,79 @@
+"""`python -m services.router --config pools.yaml`: the router."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.config import load_config
+from kvmesh.grpc_server import GrpcServer, ServiceBinding, configure_logging, serve
+from kvmesh.v1 import router_pb2, router_pb2_grpc
+from services.router.config import RouterConfig
+from services.router.monitor import WorkerMonitor
+from services.router.orchestrator import Orchestrator
+from services.router.peers import Peers
+from services.router.pools import PoolRegistry
+from services.router.servicer import RouterServicer
+from services.router.tiers import load_pools
+
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+
+
+@dataclass(slots=True)
+class Router:
+    """The router's parts, wired: registry, monitor, orchestrator, servicer, gRPC server."""
+
+    registry: PoolRegistry
+    monitor: WorkerMonitor
+    server: GrpcServer
+
+    async def start(self) -> None:
+        """Checks every worker once, then starts the refresh loop and the server."""
+        await self.monitor.check_all()
+        self.monitor.start()
+        await self.server.start()
+
+    async def stop(self) -> None:
+        """Stops serving; the server's stop hook ends the monitor and closes the channels."""
+        await self.server.stop(0)
+
+
+def build_router(config: RouterConfig) -> Router:
+    """A router over the pools file the config names, not yet started."""
+    config.validate()
+    registry = PoolRegistry(load_pools(config.config))
+    peers = Peers()
+    monitor = WorkerMonitor(registry, peers, config.refresh_interval_s, config.check_timeout_s)
+    orchestrator = Orchestrator(
+        registry, peers, monitor, config.load_cost_tokens, config.lease_ttl_ms
+    )
+    servicer = RouterServicer(registry, orchestrator, monitor)
+
+    async def close() -> None:
+        await monitor.stop()
+        await orchestrator.close()
+        await peers.close()
+
+    binding = ServiceBinding(SERVICE_NAME, servicer, router_pb2_grpc.add_RouterServicer_to_server)
+    server = GrpcServer(config, "router", [binding], on_stop=[close])
+    return Router(registry, monitor, server)
+
+
+async def _run(config: RouterConfig) -> None:
+    router = build_router(config)
+    await router.monitor.check_all()
+    router.monitor.start()
+    await serve(router.server)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parses the configuration and serves until SIGTERM."""
+    config = load_config(RouterConfig, argv)
+    configure_logging(config, "router")
+    asyncio.run(_run(config))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,40 @@
+"""Configuration of the router service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from kvmesh.config import ServerConfig
+
+
+@dataclass(slots=True, frozen=True)
+class RouterConfig(ServerConfig):
+    """Settings of `python -m services.router --config pools.yaml`."""
+
+    env_prefix: ClassVar[str] = "KVMESH_ROUTER_"
+
+    port: int = 50052
+    """gRPC port; 0 picks a free one."""
+    metrics_port: int = 9452
+    """Prometheus metrics HTTP port; 0 picks a free one, -1 disables it."""
+    config: Path = Path("pools.yaml")
+    """The pools file: model tiers, their workers, prices, fallbacks and the "auto" rule."""
+    refresh_interval_s: float = 0.5
+    """How often every worker's health and Stats are refreshed."""
+    check_timeout_s: float = 1.0
+    """Deadline of one health check or Stats call; a worker that misses it leaves rotation."""
+    load_cost_tokens: int = 64
+    """Prefix-cache hit tokens one request already on a worker is worth, when placing prefill:
+    a worker wins with a longer cached prefix unless it carries this many tokens' worth more
+    load per extra request."""
+    lease_ttl_ms: int = 0
+    """KV lease TTL the router asks prefill workers for; 0 takes each worker's default."""
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first setting out of range."""
+        if self.refresh_interval_s <= 0 or self.check_timeout_s <= 0:
+            raise ValueError("refresh_interval_s and check_timeout_s must be positive")
+        if self.load_cost_tokens < 0 or self.lease_ttl_ms < 0:
+            raise ValueError("load_cost_tokens and lease_ttl_ms must be >= 0")

@@ -1,0 +1,497 @@
+"""Runs one request on its placement: prefill -> decode hand-off (or colocated), retry, fallback.
+
+Rules (see DESIGN.md, "Reliability"):
+- The first token reaches the caller only once a worker streams it: colocated, the worker's
+  first chunk; split, the decode worker's first chunk, which it sends after importing the KV.
+  So a failure of the prefill, the KV pull or the decode start is still "before the first
+  token" and is retried once, on other workers while others are in rotation.
+- After the first token, a failure is not re-run: the caller gets UNAVAILABLE, whose message
+  ends with the usage so far ("usage so far: prompt_tokens=.. cached_prompt_tokens=..
+  completion_tokens=.."); a deadline that passes mid-stream ends it with finish reason
+  DEADLINE and the partial usage instead.
+- A tier with no healthy worker falls back down its fallback chain (placement.fallback).
+- The caller's deadline bounds every downstream call.
+- A caller's Cancel or disconnect cancels the downstream calls; workers treat that as an
+  abort and free the request's blocks. A lease whose decode never started is released here
+  (and, if that fails, by its TTL on the prefill worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from kvmesh.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    KvmeshError,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+)
+from kvmesh.rpc_status import error_from_rpc
+from kvmesh.v1 import common_pb2, worker_pb2
+from services.router import metrics
+from services.router.difficulty import choose_auto_tier
+from services.router.monitor import WorkerMonitor
+from services.router.peers import Peers
+from services.router.placement import Plan, TierChoice, place, resolve_tier
+from services.router.pools import PoolRegistry
+from services.streams import Coalescer, run_unless_cancelled
+
+log = logging.getLogger(__name__)
+
+AUTO_MODEL = "auto"
+MAX_ATTEMPTS = 2
+"""The first try and one retry."""
+RELEASE_TIMEOUT_S = 2.0
+
+_NOT_RETRIED = (InvalidArgument, DeadlineExceeded, Cancelled, PermissionDenied, Unauthenticated)
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """What one attempt learned on its way, for Started and Finished."""
+
+    plan: Plan
+    cached_prompt_tokens: int = 0
+    lease_released: bool = False
+
+
+@dataclass(slots=True)
+class _Usage:
+    """Tokens the caller has received so far."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"usage so far: prompt_tokens={self.prompt_tokens} "
+            f"cached_prompt_tokens={self.cached_prompt_tokens} "
+            f"completion_tokens={self.completion_tokens}"
+        )
+
+
+@dataclass(slots=True)
+class Orchestrator:
+    """Places and runs requests over the registry's workers."""
+
+    registry: PoolRegistry
+    peers: Peers
+    monitor: WorkerMonitor
+    load_cost_tokens: int
+    lease_ttl_ms: int = 0
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def choose_tier(self, request: common_pb2.InferenceRequest) -> TierChoice:
+        """The serving tier: "auto" resolved by the difficulty rule, then the fallback chain."""
+        model, why = request.model, ""
+        if model == AUTO_MODEL:
+            rule = self.registry.config.auto
+            if rule is None:
+                raise InvalidArgument("model", "'auto' is not configured on this router")
+            max_tokens = (
+                request.sampling.max_tokens if request.sampling.HasField("max_tokens") else None
+            )
+            decision = choose_auto_tier(
+                rule, len(request.prompt_token_ids), max_tokens, request.labels
+            )
+            model, why = decision.tier, decision.reason
+        if not model:
+            raise InvalidArgument("model", "must name a model tier or 'auto'")
+        return resolve_tier(self.registry, model, why)
+
+    async def run(
+        self,
+        request: common_pb2.InferenceRequest,
+        deadline: float | None,
+        cancelled: asyncio.Event,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        """Started, TokenChunk*, Finished for one request (errors as KvmeshError)."""
+        arrived = time.monotonic()
+        span = trace.get_current_span()
+        if not request.prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids", "must not be empty")
+        request_id = request.request_id or uuid.uuid4().hex
+        choice = self.choose_tier(request)
+        avoid: set[str] = set()
+        retry_note = ""
+        for number in range(1, MAX_ATTEMPTS + 1):
+            plan = self._place(request, choice, avoid, retry_note)
+            attempt = _Attempt(plan)
+            downstream = _downstream_request(request, plan.tier, request_id, number)
+            events = Coalescer(self._attempt_events(attempt, downstream, deadline))
+            try:
+                first = await run_unless_cancelled(anext(events, None), cancelled)
+                if first is None and not cancelled.is_set():
+                    raise Unavailable(f"{plan.prefill.address} ended the stream without output")
+            except KvmeshError as error:
+                await events.aclose()
+                addresses = [w.address for w in plan.workers]
+                if number == MAX_ATTEMPTS or isinstance(error, _NOT_RETRIED):
+                    raise _attempts_failed(error, number) from None
+                log.warning(
+                    "attempt %d of %s on %s failed: %s", number, request_id, addresses, error
+                )
+                span.add_event(
+                    "kvmesh.retry",
+                    {"kvmesh.failed_workers": addresses, "kvmesh.error": str(error)},
+                )
+                metrics.RETRIES.labels(plan.tier, error.status).inc()
+                # Check the failed workers before placing again: a dead one leaves the
+                # rotation (and may take its tier down to the fallback) before the retry.
+                await self.monitor.check_many(addresses)
+                choice = resolve_tier(self.registry, choice.requested, choice.why)
+                avoid.update(addresses)
+                retry_note = f"retry after {error.status} on {', '.join(addresses)}"
+                continue
+            if first is None:
+                await events.aclose()
+                yield _aborted(_Usage(len(request.prompt_token_ids)), arrived)
+                return
+            _record_placement(span, plan, number)
+            metrics.PLACEMENTS.labels(
+                plan.tier, "colocated" if plan.colocated else "split", str(plan.fallback).lower()
+            ).inc()
+            yield common_pb2.GenerateEvent(
+                started=common_pb2.Started(
+                    request_id=request_id, model=plan.tier, placement=_placement(plan, number)
+                )
+            )
+            async for event in self._forward(attempt, first, events, cancelled, arrived, request):
+                yield event
+            return
+
+    def _place(
+        self,
+        request: common_pb2.InferenceRequest,
+        choice: TierChoice,
+        avoid: set[str],
+        retry_note: str,
+    ) -> Plan:
+        plan = place(
+            self.registry,
+            choice,
+            request.prompt_token_ids,
+            request.cache_salt,
+            self.load_cost_tokens,
+            avoid,
+        )
+        if retry_note:
+            plan = Plan(
+                tier=plan.tier,
+                fallback=plan.fallback,
+                prefill=plan.prefill,
+                decode=plan.decode,
+                reason=f"{plan.reason}; {retry_note}",
+                expected_prefix_hit_tokens=plan.expected_prefix_hit_tokens,
+            )
+        return plan
+
+    async def _forward(
+        self,
+        attempt: _Attempt,
+        first: list[common_pb2.GenerateEvent],
+        events: Coalescer[common_pb2.GenerateEvent],
+        cancelled: asyncio.Event,
+        arrived: float,
+        request: common_pb2.InferenceRequest,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        """Forwards the attempt's events, coalescing chunks; the rules after the first token."""
+        tier = attempt.plan.tier
+        usage = _Usage(len(request.prompt_token_ids))
+        first_token_at: float | None = None
+        batch: list[common_pb2.GenerateEvent] | None = first
+        try:
+            while batch is not None:
+                for event in _merge_chunks(batch):
+                    usage.cached_prompt_tokens = attempt.cached_prompt_tokens
+                    if event.WhichOneof("event") == "chunk":
+                        if first_token_at is None:
+                            first_token_at = time.monotonic()
+                            metrics.TIME_TO_FIRST_TOKEN.labels(tier).observe(
+                                first_token_at - arrived
+                            )
+                        usage.completion_tokens += len(event.chunk.token_ids)
+                        yield event
+                    elif event.WhichOneof("event") == "finished":
+                        yield _finished(event.finished, attempt, usage, arrived, first_token_at)
+                        return
+                batch = await run_unless_cancelled(anext(events, None), cancelled)
+            if cancelled.is_set():
+                yield _aborted(usage, arrived, first_token_at)
+                return
+            raise Unavailable("the worker ended the stream without a Finished event")
+        except DeadlineExceeded:
+            yield _deadline(usage, arrived, first_token_at)
+        except KvmeshError as error:
+            metrics.FAILURES_AFTER_FIRST_TOKEN.labels(tier).inc()
+            self._spawn(self.monitor.check_many([w.address for w in attempt.plan.workers]))
+            raise Unavailable(
+                f"{tier}: the stream broke after the first token and is not re-run "
+                f"({error.status}: {error.message}); {usage.describe()}"
+            ) from None
+        finally:
+            await events.aclose()
+
+    async def _attempt_events(
+        self,
+        attempt: _Attempt,
+        request: common_pb2.InferenceRequest,
+        deadline: float | None,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        """The events of one attempt, straight from the worker(s), with inflight counted."""
+        plan = attempt.plan
+        for worker in plan.workers:
+            worker.inflight += 1
+        try:
+            if plan.decode is None:
+                async for event in self._colocated(plan.prefill.address, request, deadline):
+                    yield event
+            else:
+                async for event in self._split(attempt, request, deadline):
+                    yield event
+        finally:
+            for worker in plan.workers:
+                worker.inflight -= 1
+
+    async def _colocated(
+        self, address: str, request: common_pb2.InferenceRequest, deadline: float | None
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        call = self.peers.worker(address).Generate(timeout=_time_left(deadline))
+        try:
+            await call.write(worker_pb2.WorkerGenerateMessage(request=request))
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as error:
+            raise _worker_error(error, "Generate", address) from None
+        finally:
+            call.cancel()
+
+    async def _split(
+        self,
+        attempt: _Attempt,
+        request: common_pb2.InferenceRequest,
+        deadline: float | None,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        plan = attempt.plan
+        assert plan.decode is not None
+        prefill_address, decode_address = plan.prefill.address, plan.decode.address
+        try:
+            prefilled = await self.peers.worker(prefill_address).Prefill(
+                worker_pb2.PrefillRequest(request=request, lease_ttl_ms=self.lease_ttl_ms),
+                timeout=_time_left(deadline),
+            )
+        except grpc.aio.AioRpcError as error:
+            raise _worker_error(error, "Prefill", prefill_address) from None
+        attempt.cached_prompt_tokens = prefilled.cached_prompt_tokens
+        if prefilled.HasField("finished"):
+            # The first token already ended the request: nothing to decode, no lease.
+            yield common_pb2.GenerateEvent(chunk=prefilled.first_token)
+            yield common_pb2.GenerateEvent(finished=prefilled.finished)
+            return
+        call = self.peers.worker(decode_address).Decode(timeout=_time_left(deadline))
+        decoding = False
+        try:
+            await call.write(
+                worker_pb2.DecodeMessage(
+                    start=worker_pb2.DecodeRequest(
+                        request=request, lease=prefilled.lease, first_token=prefilled.first_token
+                    )
+                )
+            )
+            async for event in call:
+                decoding = True
+                yield event
+        except grpc.aio.AioRpcError as error:
+            raise _worker_error(error, "Decode", decode_address) from None
+        finally:
+            call.cancel()
+            if not decoding:
+                self._spawn(self._release(prefill_address, prefilled.lease.lease_id))
+
+    async def _release(self, address: str, lease_id: str) -> None:
+        """Ends a lease whose decode never started; its TTL covers the case this fails."""
+        try:
+            await self.peers.worker(address).ReleaseKv(
+                worker_pb2.ReleaseKvRequest(lease_id=lease_id), timeout=RELEASE_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as error:
+            log.info("ReleaseKv %s on %s: %s", lease_id, address, error.code().name)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Waits for the background lease releases (at shutdown)."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=RELEASE_TIMEOUT_S)
+
+
+def _downstream_request(
+    request: common_pb2.InferenceRequest, tier: str, request_id: str, attempt: int
+) -> common_pb2.InferenceRequest:
+    """The request as workers see it: the resolved tier; a retry gets its own id suffix, so a
+    worker still cleaning up the first attempt never sees the id twice."""
+    downstream = common_pb2.InferenceRequest()
+    downstream.CopyFrom(request)
+    downstream.model = tier
+    downstream.request_id = request_id if attempt == 1 else f"{request_id}~{attempt}"
+    return downstream
+
+
+def _time_left(deadline: float | None) -> float | None:
+    """Seconds to the caller's deadline for the next hop; DeadlineExceeded once it passed."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("the request's deadline passed before its first token")
+    return left
+
+
+def _worker_error(error: grpc.aio.AioRpcError, rpc: str, address: str) -> KvmeshError:
+    typed = error_from_rpc(error)
+    typed.message = f"{rpc} on {address}: {typed.message}"
+    return typed
+
+
+def _attempts_failed(error: KvmeshError, attempts: int) -> KvmeshError:
+    if attempts > 1:
+        error.message = f"{error.message} (after {attempts} attempts)"
+    return error
+
+
+def _merge_chunks(events: list[common_pb2.GenerateEvent]) -> list[common_pb2.GenerateEvent]:
+    """Consecutive chunks become one (the caller gets everything ready in one message)."""
+    merged: list[common_pb2.GenerateEvent] = []
+    for event in events:
+        if (
+            event.WhichOneof("event") == "chunk"
+            and merged
+            and merged[-1].WhichOneof("event") == "chunk"
+        ):
+            target = merged[-1].chunk
+            target.token_ids.extend(event.chunk.token_ids)
+            target.text += event.chunk.text
+            target.logprobs.extend(event.chunk.logprobs)
+        else:
+            copy = common_pb2.GenerateEvent()
+            copy.CopyFrom(event)
+            merged.append(copy)
+    return merged
+
+
+def _placement(plan: Plan, attempts: int) -> common_pb2.Placement:
+    return common_pb2.Placement(
+        tier=plan.tier,
+        prefill_worker=plan.prefill.address,
+        decode_worker=(plan.decode or plan.prefill).address,
+        reason=plan.reason,
+        fallback=plan.fallback,
+        expected_prefix_hit_tokens=plan.expected_prefix_hit_tokens,
+        attempts=attempts,
+    )
+
+
+def _record_placement(span: trace.Span, plan: Plan, attempts: int) -> None:
+    span.set_attributes(
+        {
+            "kvmesh.placement.tier": plan.tier,
+            "kvmesh.placement.mode": "colocated" if plan.colocated else "split",
+            "kvmesh.placement.prefill_worker": plan.prefill.address,
+            "kvmesh.placement.decode_worker": (plan.decode or plan.prefill).address,
+            "kvmesh.placement.reason": plan.reason,
+            "kvmesh.placement.fallback": plan.fallback,
+            "kvmesh.placement.attempts": attempts,
+            "kvmesh.placement.expected_prefix_hit_tokens": plan.expected_prefix_hit_tokens,
+        }
+    )
+
+
+def _timings(
+    arrived: float, first_token_at: float | None, kv_transfer_ms: float = 0.0
+) -> common_pb2.Timings:
+    now = time.monotonic()
+    return common_pb2.Timings(
+        ttft_ms=0.0 if first_token_at is None else (first_token_at - arrived) * 1000,
+        e2e_ms=(now - arrived) * 1000,
+        kv_transfer_ms=kv_transfer_ms,
+    )
+
+
+def _finished(
+    worker_finished: common_pb2.Finished,
+    attempt: _Attempt,
+    usage: _Usage,
+    arrived: float,
+    first_token_at: float | None,
+) -> common_pb2.GenerateEvent:
+    """The worker's Finished with the router's view: prefill's cache hits, end-to-end times."""
+    finished = common_pb2.Finished()
+    finished.CopyFrom(worker_finished)
+    finished.usage.prompt_tokens = usage.prompt_tokens
+    if not attempt.plan.colocated:
+        finished.usage.cached_prompt_tokens = attempt.cached_prompt_tokens
+    finished.timings.CopyFrom(
+        _timings(arrived, first_token_at, worker_finished.timings.kv_transfer_ms)
+    )
+    span = trace.get_current_span()
+    span.set_attributes(
+        {
+            "gen_ai.usage.input_tokens": finished.usage.prompt_tokens,
+            "gen_ai.usage.output_tokens": finished.usage.completion_tokens,
+            "gen_ai.response.finish_reasons": [
+                common_pb2.FinishReason.Name(finished.finish_reason)
+            ],
+            "kvmesh.prefix_hit_tokens": finished.usage.cached_prompt_tokens,
+            "kvmesh.kv_transfer_ms": finished.timings.kv_transfer_ms,
+        }
+    )
+    return common_pb2.GenerateEvent(finished=finished)
+
+
+def _partial(
+    reason: common_pb2.FinishReason.ValueType,
+    usage: _Usage,
+    arrived: float,
+    first_token_at: float | None,
+) -> common_pb2.GenerateEvent:
+    return common_pb2.GenerateEvent(
+        finished=common_pb2.Finished(
+            finish_reason=reason,
+            usage=common_pb2.Usage(
+                prompt_tokens=usage.prompt_tokens,
+                cached_prompt_tokens=usage.cached_prompt_tokens,
+                completion_tokens=usage.completion_tokens,
+            ),
+            timings=_timings(arrived, first_token_at),
+        )
+    )
+
+
+def _aborted(
+    usage: _Usage, arrived: float, first_token_at: float | None = None
+) -> common_pb2.GenerateEvent:
+    """Finished(ABORT) for a request the caller cancelled."""
+    return _partial(common_pb2.FINISH_REASON_ABORT, usage, arrived, first_token_at)
+
+
+def _deadline(
+    usage: _Usage, arrived: float, first_token_at: float | None
+) -> common_pb2.GenerateEvent:
+    """Finished(DEADLINE) with the partial output's usage."""
+    return _partial(common_pb2.FINISH_REASON_DEADLINE, usage, arrived, first_token_at)

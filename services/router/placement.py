@@ -1,0 +1,191 @@
+"""Placement: which tier, which workers, and the reason, for one request.
+
+- Tier: the requested one while it can serve; otherwise its fallback chain (marked fallback).
+- Prefill (and colocated) worker: the longest cached prefix of this prompt, weighed against
+  load: score = prefix hit tokens - load_cost_tokens x requests on the worker.
+- Decode worker: fewest requests on it, then most free KV blocks.
+- A tier with a prefill and a decode worker in rotation runs split; otherwise colocated.
+- Workers of a failed attempt are avoided on the retry while another one is in rotation.
+
+The prompt's block hashes come from the engine's own hash chain, so they equal the hashes the
+workers report for their cached blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from kvmesh.errors import Unavailable
+from services.router.pools import PoolRegistry, Role, WorkerState
+from services.worker.engine.kv_cache_manager import hash_block_chain
+
+
+@dataclass(slots=True, frozen=True)
+class TierChoice:
+    """The tier that serves a request."""
+
+    tier: str
+    fallback: bool
+    reason: str
+    requested: str
+    """The tier asked for ("auto" already resolved), before any fallback."""
+    why: str = ""
+    """How the requested tier was chosen (the "auto" rule's reason), kept for re-resolving."""
+
+
+@dataclass(slots=True, frozen=True)
+class Plan:
+    """Where one attempt of a request runs."""
+
+    tier: str
+    fallback: bool
+    prefill: WorkerState
+    """The worker that runs the prompt: a prefill worker, or the colocated worker."""
+    decode: WorkerState | None
+    """The decode worker; None when colocated."""
+    reason: str
+    expected_prefix_hit_tokens: int
+
+    @property
+    def colocated(self) -> bool:
+        return self.decode is None
+
+    @property
+    def workers(self) -> tuple[WorkerState, ...]:
+        return (self.prefill,) if self.decode is None else (self.prefill, self.decode)
+
+
+def resolve_tier(registry: PoolRegistry, requested: str, why: str = "") -> TierChoice:
+    """The requested tier if it serves now, else the first serving tier down its fallback chain."""
+    registry.tier(requested)
+    prefix = f"{why}; " if why else ""
+    tier, seen = requested, [requested]
+    while not registry.serves(tier):
+        fallback = registry.tier(tier).fallback
+        if not fallback or fallback in seen:
+            raise Unavailable(
+                f"no healthy worker for model {requested!r}"
+                + (f" nor its fallbacks {seen[1:]}" if len(seen) > 1 else "")
+            )
+        seen.append(fallback)
+        tier = fallback
+    if tier == requested:
+        return TierChoice(requested, False, f"{prefix}tier {requested}", requested, why)
+    return TierChoice(
+        tier,
+        fallback=True,
+        reason=f"{prefix}fallback: {requested} has no healthy worker -> {tier}",
+        requested=requested,
+        why=why,
+    )
+
+
+def prompt_block_hashes(
+    prompt_token_ids: Sequence[int], block_size: int, fingerprint: str, cache_salt: bytes
+) -> list[bytes]:
+    """Hashes of the prompt's full blocks, as the workers' prefix caches name them."""
+    full = len(prompt_token_ids) // block_size * block_size
+    return hash_block_chain(prompt_token_ids[:full], block_size, fingerprint, cache_salt)
+
+
+def leading_hits(hashes: Sequence[bytes], cached: Collection[bytes]) -> int:
+    """How many leading blocks of the chain the cache holds (a chain breaks at the first miss)."""
+    count = 0
+    for block_hash in hashes:
+        if block_hash not in cached:
+            break
+        count += 1
+    return count
+
+
+def _prefer_fresh(workers: list[WorkerState], avoid: Collection[str]) -> list[WorkerState]:
+    fresh = [w for w in workers if w.address not in avoid]
+    return fresh or workers
+
+
+@dataclass(slots=True, frozen=True)
+class Pick:
+    """A chosen worker and why."""
+
+    worker: WorkerState
+    prefix_hit_tokens: int
+    reason: str
+
+
+def pick_by_prefix(
+    workers: list[WorkerState],
+    hashes: Sequence[bytes],
+    block_size: int,
+    load_cost_tokens: int,
+    avoid: Collection[str] = (),
+) -> Pick:
+    """The worker with the best prefix-hit-minus-load score (ties: fewer requests, more KV)."""
+    if not workers:
+        raise Unavailable("no worker in rotation")
+    candidates = _prefer_fresh(workers, avoid)
+
+    def score(worker: WorkerState) -> tuple[int, int, int]:
+        hit_tokens = leading_hits(hashes, worker.cached_hashes) * block_size
+        return (hit_tokens - load_cost_tokens * worker.load, -worker.load, worker.kv_blocks_free)
+
+    best = max(candidates, key=score)
+    hit_tokens = leading_hits(hashes, best.cached_hashes) * block_size
+    reason = (
+        f"{best.address}: {hit_tokens} cached prefix tokens, {best.load} requests"
+        if hit_tokens
+        else f"{best.address}: no cached prefix anywhere better, {best.load} requests"
+    )
+    return Pick(best, hit_tokens, reason)
+
+
+def pick_decode(workers: list[WorkerState], avoid: Collection[str] = ()) -> Pick:
+    """The decode worker with the fewest requests, then the most free KV blocks."""
+    if not workers:
+        raise Unavailable("no decode worker in rotation")
+    best = min(_prefer_fresh(workers, avoid), key=lambda w: (w.load, -w.kv_blocks_free))
+    reason = (
+        f"{best.address}: {best.load} requests, "
+        f"{best.kv_blocks_free}/{best.kv_blocks_total} KV blocks free"
+    )
+    return Pick(best, 0, reason)
+
+
+def place(
+    registry: PoolRegistry,
+    choice: TierChoice,
+    prompt_token_ids: Sequence[int],
+    cache_salt: bytes,
+    load_cost_tokens: int,
+    avoid: Collection[str] = (),
+) -> Plan:
+    """Chooses the workers for one attempt on the chosen tier."""
+    tier = choice.tier
+    stats = registry.stats_of(tier)
+    block_size = stats.block_size if stats is not None and stats.block_size else 16
+    fingerprint = registry.fingerprint(tier) or ""
+    hashes = prompt_block_hashes(prompt_token_ids, block_size, fingerprint, cache_salt)
+    if registry.can_split(tier):
+        prefill = pick_by_prefix(
+            registry.in_rotation(tier, Role.PREFILL), hashes, block_size, load_cost_tokens, avoid
+        )
+        decode = pick_decode(registry.in_rotation(tier, Role.DECODE), avoid)
+        return Plan(
+            tier=tier,
+            fallback=choice.fallback,
+            prefill=prefill.worker,
+            decode=decode.worker,
+            reason=f"{choice.reason}; split; prefill {prefill.reason}; decode {decode.reason}",
+            expected_prefix_hit_tokens=prefill.prefix_hit_tokens,
+        )
+    colocated = pick_by_prefix(
+        registry.in_rotation(tier, Role.COLOCATED), hashes, block_size, load_cost_tokens, avoid
+    )
+    return Plan(
+        tier=tier,
+        fallback=choice.fallback,
+        prefill=colocated.worker,
+        decode=None,
+        reason=f"{choice.reason}; colocated {colocated.reason}",
+        expected_prefix_hit_tokens=colocated.prefix_hit_tokens,
+    )

@@ -1,0 +1,156 @@
+"""gRPC face of the router: Generate (bidi), ListModels, Status, AddWorker, RemoveWorker.
+
+Generate takes an InferenceRequest with the prompt already tokenized (the gateway tokenizes)
+and streams Started (with the placement and its reason), TokenChunk*, Finished. A failure
+after the first token ends the stream with UNAVAILABLE whose message closes with the usage so
+far (see orchestrator.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvmesh.errors import InvalidArgument
+from kvmesh.telemetry import tracer
+from kvmesh.v1 import common_pb2, gateway_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from services.router.monitor import WorkerMonitor
+from services.router.orchestrator import Orchestrator
+from services.router.pools import PoolRegistry, Role, WorkerState
+from services.router.scaling import ScalingPolicy, WorkerLoad, recommended_replicas
+from services.streams import CancelWatch, first_message
+
+_tracer = tracer(__name__)
+
+_ROLE_ORDER = (Role.PREFILL, Role.DECODE, Role.COLOCATED)
+
+
+def _cancel_reason(message: router_pb2.RouteMessage) -> str | None:
+    return message.cancel.reason if message.WhichOneof("message") == "cancel" else None
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """Implements kvmesh.v1.Router."""
+
+    def __init__(
+        self,
+        registry: PoolRegistry,
+        orchestrator: Orchestrator,
+        monitor: WorkerMonitor,
+        scaling: ScalingPolicy | None = None,
+    ) -> None:
+        self.registry = registry
+        self.orchestrator = orchestrator
+        self.monitor = monitor
+        self.scaling = scaling or ScalingPolicy()
+
+    async def Generate(
+        self,
+        request_iterator: AsyncIterator[router_pb2.RouteMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        first = await first_message(request_iterator, "request")
+        if first.WhichOneof("message") != "request":
+            raise InvalidArgument("request", "the first message must be the request")
+        request = first.request
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        watch = CancelWatch(request_iterator, _cancel_reason)
+        watch.start()
+        with _tracer.start_as_current_span("router.generate") as span:
+            span.set_attributes(
+                {
+                    "gen_ai.request.model": request.model,
+                    "kvmesh.request_id": request.request_id,
+                    "kvmesh.tenant": request.tenant,
+                }
+            )
+            try:
+                async for event in self.orchestrator.run(request, deadline, watch.cancelled):
+                    yield event
+            finally:
+                await watch.close()
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
+        models = []
+        for tier in self.registry.tiers:
+            stats = self.registry.stats_of(tier.name)
+            models.append(
+                gateway_pb2.ModelInfo(
+                    id=tier.name,
+                    base_model=tier.base_model,
+                    quantization=tier.quantization,
+                    fingerprint=self.registry.fingerprint(tier.name) or "",
+                    usd_per_gpu_hour=tier.usd_per_gpu_hour,
+                    tokens_per_second=tier.tokens_per_second,
+                    usd_per_1k_tokens=tier.usd_per_1k_tokens,
+                    context_length=stats.context_length if stats is not None else 0,
+                    available=self.registry.serves(tier.name),
+                    fallback=tier.fallback,
+                )
+            )
+        return gateway_pb2.ListModelsResponse(models=models)
+
+    async def Status(
+        self, request: router_pb2.RouterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouterStatusResponse:
+        return self._status()
+
+    async def AddWorker(
+        self, request: router_pb2.AddWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.WorkerChangeResponse:
+        self.registry.add(request.tier, Role.from_proto(request.role), request.address)
+        # Checked at once, so the reply shows whether it is already in rotation.
+        await self.monitor.check(request.address)
+        return router_pb2.WorkerChangeResponse(status=self._status())
+
+    async def RemoveWorker(
+        self, request: router_pb2.RemoveWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.WorkerChangeResponse:
+        self.registry.remove(request.address)
+        return router_pb2.WorkerChangeResponse(status=self._status())
+
+    def _status(self) -> router_pb2.RouterStatusResponse:
+        pools = []
+        for tier in self.registry.tiers:
+            for role in _ROLE_ORDER:
+                workers = self.registry.workers(tier.name, role)
+                if not workers:
+                    continue
+                pools.append(
+                    router_pb2.PoolStatus(
+                        tier=tier.name,
+                        role=role.proto,
+                        workers=[_worker_status(w) for w in workers],
+                        recommended_replicas=recommended_replicas(
+                            [_load(w) for w in workers], tier.tokens_per_second, self.scaling
+                        ),
+                    )
+                )
+        return router_pb2.RouterStatusResponse(pools=pools)
+
+
+def _worker_status(worker: WorkerState) -> router_pb2.WorkerStatus:
+    status = router_pb2.WorkerStatus(address=worker.address, healthy=worker.in_rotation)
+    if worker.stats is not None:
+        stats = worker_pb2.WorkerStats()
+        stats.CopyFrom(worker.stats)
+        del stats.cached_block_hashes[:]  # the count stays; the hashes are placement detail
+        status.stats.CopyFrom(stats)
+    return status
+
+
+def _load(worker: WorkerState) -> WorkerLoad:
+    stats = worker.stats
+    if stats is None:
+        return WorkerLoad(tokens_per_second=0.0, waiting=0, kv_blocks_used=0, kv_blocks_total=0)
+    return WorkerLoad(
+        tokens_per_second=stats.tokens_per_second,
+        waiting=stats.waiting,
+        kv_blocks_used=stats.kv_blocks_total - stats.kv_blocks_free,
+        kv_blocks_total=stats.kv_blocks_total,
+    )

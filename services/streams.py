@@ -1,0 +1,157 @@
+"""Helpers for the bidirectional streams every hop serves: first message, cancel watch, coalescing.
+
+The router and the worker both take a request as the first message of a bidi stream, watch the
+rest of that stream for a Cancel, and forward events that should be coalesced: when the consumer
+is slower than the producer, one message carries everything produced since the last send.
+Nothing here imports gRPC; the stream is any async iterator of messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Generic, TypeVar
+
+from kvmesh.errors import InvalidArgument
+
+T = TypeVar("T")
+Message = TypeVar("Message")
+
+CancelHook = Callable[[str], Awaitable[None]]
+
+
+async def first_message(messages: AsyncIterator[Message], what: str) -> Message:
+    """The stream's first message; InvalidArgument when the caller sent none."""
+    try:
+        return await anext(messages)
+    except StopAsyncIteration:
+        raise InvalidArgument(what, "the stream ended before its first message") from None
+
+
+class CancelWatch(Generic[Message]):
+    """Reads the rest of a request stream in the background and reacts to a Cancel message.
+
+    `reason_of(message)` returns the cancel reason for a Cancel message and None otherwise.
+    A stream that simply half-closes is not a cancel. `on_cancel` may be swapped while the
+    request moves through its phases (e.g. "stop the pull", then "abort the engine request").
+    """
+
+    def __init__(
+        self, messages: AsyncIterator[Message], reason_of: Callable[[Message], str | None]
+    ) -> None:
+        self._messages = messages
+        self._reason_of = reason_of
+        self.cancelled = asyncio.Event()
+        self.reason = ""
+        self.on_cancel: CancelHook | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Starts reading the stream."""
+        self._task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        async for message in self._messages:
+            reason = self._reason_of(message)
+            if reason is None:
+                continue
+            self.reason = reason or "cancelled by the caller"
+            self.cancelled.set()
+            if self.on_cancel is not None:
+                await self.on_cancel(self.reason)
+            return
+
+    async def close(self) -> None:
+        """Stops reading; safe to call more than once."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+
+async def run_unless_cancelled(work: Awaitable[T], cancelled: asyncio.Event) -> T | None:
+    """Runs `work`; returns None (and cancels it) if `cancelled` is set first."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.create_task(cancelled.wait())
+    try:
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+_END = object()
+
+
+class _Failure:
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Coalescer(Generic[T]):
+    """Async iterator of batches: every item `source` produced since the previous batch.
+
+    Draining starts at construction, in a background task, so the source runs even before
+    the first batch is asked for (the engine starts a request when its iterator is first
+    advanced). A slow consumer receives batches, a fast one single items. `aclose()` cancels
+    the drain and closes `source` (for the engine, closing its iterator aborts the request).
+    """
+
+    def __init__(self, source: AsyncIterator[T]) -> None:
+        self._source = source
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._ended = False
+        self._pump = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            async for item in self._source:
+                self._queue.put_nowait(item)
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            self._queue.put_nowait(_Failure(error))
+            return
+        self._queue.put_nowait(_END)
+
+    def __aiter__(self) -> Coalescer[T]:
+        return self
+
+    async def __anext__(self) -> list[T]:
+        if self._ended:
+            raise StopAsyncIteration
+        batch: list[T] = []
+        item = await self._queue.get()
+        while True:
+            if item is _END or isinstance(item, _Failure):
+                if batch:
+                    # Deliver what came before; the end (or error) follows on the next call.
+                    self._queue.put_nowait(item)
+                    return batch
+                self._ended = True
+                if isinstance(item, _Failure):
+                    raise item.error
+                raise StopAsyncIteration
+            batch.append(item)  # type: ignore[arg-type]
+            if self._queue.empty():
+                return batch
+            item = self._queue.get_nowait()
+
+    async def aclose(self) -> None:
+        """Stops draining and closes the source; safe to call more than once."""
+        self._ended = True
+        if not self._pump.done():
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pump
+        closer = getattr(self._source, "aclose", None)
+        if closer is not None:
+            with contextlib.suppress(Exception):
+                await closer()

@@ -1,0 +1,106 @@
+"""`python -m services.worker --role prefill|decode|both --model ... --port ...`: a worker."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvmesh.config import load_config
+from kvmesh.grpc_server import GrpcServer, ServiceBinding, configure_logging, serve
+from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.worker.config import WorkerConfig
+from services.worker.engine.async_engine import AsyncEngine
+from services.worker.engine.config import EngineConfig
+from services.worker.leases import LeaseSweeper, LeaseTable
+from services.worker.servicer import WorkerServicer
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+log = logging.getLogger(__name__)
+
+
+def engine_config(config: WorkerConfig) -> EngineConfig:
+    """The engine settings a worker's configuration asks for."""
+    return EngineConfig(
+        model=config.model,
+        device=config.device,
+        dtype=config.dtype,
+        quantization=config.quantization,
+        kv_cache_bytes=config.kv_cache_bytes,
+        num_kv_blocks=config.num_kv_blocks or None,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        num_threads=config.num_threads or None,
+    )
+
+
+@dataclass(slots=True)
+class Worker:
+    """A worker's parts, wired: engine, lease table and sweeper, servicer, gRPC server."""
+
+    engine: AsyncEngine
+    servicer: WorkerServicer
+    sweeper: LeaseSweeper
+    server: GrpcServer
+
+    async def start(self) -> None:
+        """Starts the engine thread, the sweeper and the server (in-process use)."""
+        await self.engine.start()
+        self.sweeper.start()
+        await self.server.start()
+
+    async def stop(self) -> None:
+        """Stops serving; the server's stop hook then ends the sweeper, leases and engine."""
+        await self.server.stop(0)
+
+
+def build_worker(config: WorkerConfig, engine: AsyncEngine | None = None) -> Worker:
+    """A worker around `engine` (loaded from the config when None), not yet started."""
+    config.validate()
+    engine = engine or AsyncEngine.from_config(engine_config(config))
+    leases = LeaseTable(default_ttl_s=config.lease_ttl_s)
+    # The lease names this worker's address, known only once the server has bound its port.
+    servers: list[GrpcServer] = []
+    servicer = WorkerServicer(
+        engine, config, leases, lambda: config.advertise_address or servers[0].address
+    )
+    sweeper = LeaseSweeper(
+        leases, servicer.expire_lease, config.lease_sweep_interval_s, servicer.refresh_gauges
+    )
+
+    async def close() -> None:
+        await sweeper.stop()
+        await servicer.close()
+        await engine.shutdown()
+
+    binding = ServiceBinding(SERVICE_NAME, servicer, worker_pb2_grpc.add_WorkerServicer_to_server)
+    servers.append(GrpcServer(config, "worker", [binding], on_stop=[close]))
+    return Worker(engine, servicer, sweeper, servers[0])
+
+
+async def _run(config: WorkerConfig) -> None:
+    worker = build_worker(config)
+    log.info(
+        "worker role=%s model=%s fingerprint=%s layout=%s",
+        config.role,
+        worker.engine.model_name,
+        worker.engine.fingerprint,
+        worker.engine.layout,
+    )
+    await worker.engine.start()
+    worker.sweeper.start()
+    await serve(worker.server)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Parses the configuration, loads the model and serves until SIGTERM."""
+    config = load_config(WorkerConfig, argv)
+    configure_logging(config, f"worker[{config.role}]")
+    asyncio.run(_run(config))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

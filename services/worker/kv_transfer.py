@@ -1,0 +1,163 @@
+"""KV blocks on the wire: checksummed chunks out of a prefill worker, verified blocks into a decode.
+
+A block's bytes are cut into KvChunk messages of at most `MAX_CHUNK_BYTES` (under the gRPC
+message limit), each carrying the CRC32C (Castagnoli) of its data. The decode side reassembles
+each block from its pieces, in order, and refuses anything that does not add up: a wrong
+checksum, a piece out of place, a block that is not the one expected. Refusals raise DataLoss so
+the caller can drop the half-imported request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import google_crc32c
+
+from kvmesh.errors import DataLoss, FailedPrecondition
+from kvmesh.v1 import common_pb2
+
+MAX_CHUNK_BYTES = 1 << 20
+"""Largest data piece of one KvChunk: 1 MiB, well under the 8 MiB gRPC message limit."""
+
+
+def crc32c(data: bytes) -> int:
+    """CRC32C (Castagnoli) of `data`, as on the wire (google-crc32c, C implementation)."""
+    return int(google_crc32c.value(data))
+
+
+def chunk_block(
+    block_index: int, block_hash: bytes, data: bytes, max_chunk_bytes: int = MAX_CHUNK_BYTES
+) -> Iterator[common_pb2.KvChunk]:
+    """The chunks of one block, in offset order, each at most `max_chunk_bytes` of data."""
+    if max_chunk_bytes <= 0:
+        raise ValueError("max_chunk_bytes must be positive")
+    view = memoryview(data)
+    for offset in range(0, max(len(data), 1), max_chunk_bytes):
+        piece = bytes(view[offset : offset + max_chunk_bytes])
+        yield common_pb2.KvChunk(
+            block_index=block_index,
+            block_hash=block_hash,
+            offset=offset,
+            block_bytes=len(data),
+            data=piece,
+            crc32c=crc32c(piece),
+        )
+
+
+def layouts_equal(a: common_pb2.KvLayout, b: common_pb2.KvLayout) -> bool:
+    """Two engines can exchange blocks only when every layout field agrees."""
+    return a.SerializeToString(deterministic=True) == b.SerializeToString(deterministic=True)
+
+
+def check_compatible(
+    own_fingerprint: str,
+    own_layout: common_pb2.KvLayout,
+    their_fingerprint: str,
+    their_layout: common_pb2.KvLayout,
+) -> None:
+    """FailedPrecondition unless both sides run the same weights with the same block layout."""
+    if own_fingerprint != their_fingerprint:
+        raise FailedPrecondition(
+            f"model fingerprint mismatch: this worker runs {own_fingerprint!r}, "
+            f"the lease was computed by {their_fingerprint!r}"
+        )
+    if not layouts_equal(own_layout, their_layout):
+        raise FailedPrecondition(
+            f"KV layout mismatch: this worker uses {_describe(own_layout)}, "
+            f"the lease uses {_describe(their_layout)}"
+        )
+
+
+def _describe(layout: common_pb2.KvLayout) -> str:
+    return (
+        f"{layout.engine}/{layout.dtype} block_size={layout.block_size} "
+        f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} head_dim={layout.head_dim}"
+    )
+
+
+@dataclass(slots=True)
+class _PartialBlock:
+    block_hash: bytes
+    data: bytearray = field(default_factory=bytearray)
+
+
+@dataclass(slots=True)
+class BlockAssembler:
+    """Rebuilds the expected blocks from a stream of chunks, verifying every piece.
+
+    `expected` maps each block index to pull onto its hash; `block_bytes` is the size every
+    block must have under the puller's layout.
+    """
+
+    expected: Mapping[int, bytes]
+    block_bytes: int
+    _partial: dict[int, _PartialBlock] = field(default_factory=dict)
+    _done: set[int] = field(default_factory=set)
+    bytes_received: int = 0
+
+    def add(self, chunk: common_pb2.KvChunk) -> tuple[int, bytes] | None:
+        """Takes one chunk; returns (index, block bytes) when it completes a block."""
+        index = chunk.block_index
+        if index not in self.expected:
+            raise DataLoss(f"KV chunk for block {index}, which was not asked for")
+        if index in self._done:
+            raise DataLoss(f"KV block {index} arrived twice")
+        if chunk.block_hash != self.expected[index]:
+            raise DataLoss(
+                f"KV block {index} has hash {chunk.block_hash.hex()[:16]}…, expected "
+                f"{self.expected[index].hex()[:16]}…"
+            )
+        if chunk.block_bytes != self.block_bytes:
+            raise DataLoss(
+                f"KV block {index} is {chunk.block_bytes} bytes, the layout says {self.block_bytes}"
+            )
+        if crc32c(chunk.data) != chunk.crc32c:
+            raise DataLoss(f"KV block {index}: checksum mismatch at offset {chunk.offset}")
+        partial = self._partial.setdefault(index, _PartialBlock(chunk.block_hash))
+        if chunk.offset != len(partial.data):
+            raise DataLoss(
+                f"KV block {index}: piece at offset {chunk.offset}, expected {len(partial.data)}"
+            )
+        if len(partial.data) + len(chunk.data) > self.block_bytes:
+            raise DataLoss(f"KV block {index}: more bytes than the block holds")
+        partial.data += chunk.data
+        self.bytes_received += len(chunk.data)
+        if len(partial.data) < self.block_bytes:
+            return None
+        del self._partial[index]
+        self._done.add(index)
+        return index, bytes(partial.data)
+
+    def missing(self) -> list[int]:
+        """Indices of the expected blocks not yet complete, in order."""
+        return sorted(set(self.expected) - self._done)
+
+
+@dataclass(slots=True)
+class Pacer:
+    """Holds a sender to at most `bytes_per_s` on average (0: unlimited).
+
+    A worker sharing its network with client traffic caps the rate of KV it sends, and the
+    same cap emulates a slower link on one machine (benchmarks, failure tests).
+    """
+
+    bytes_per_s: float
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    _started: float | None = None
+    _sent: int = 0
+
+    async def sent(self, num_bytes: int) -> None:
+        """Records `num_bytes` sent; waits until the average rate is back under the cap."""
+        if self.bytes_per_s <= 0:
+            return
+        now = self.clock()
+        if self._started is None:
+            self._started = now
+        self._sent += num_bytes
+        ahead = self._started + self._sent / self.bytes_per_s - now
+        if ahead > 0:
+            await self.sleep(ahead)

@@ -1,0 +1,149 @@
+"""KV leases: a prefill worker holds a request's blocks until they are pulled, released or expire.
+
+`LeaseTable` is the bookkeeping (ids, TTLs, expiry) and knows nothing of the engine;
+`LeaseSweeper` runs in the background and hands every expired lease to a release callback, so
+blocks nobody pulls or releases go back to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from kvmesh.errors import NotFound
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+Release = Callable[["Lease"], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class Lease:
+    """One lease on the blocks of one prefilled request."""
+
+    lease_id: str
+    """Opaque, unguessable id the lease is named by on the wire."""
+    handle_id: str
+    """The engine's KvHandle id that pins the blocks."""
+    block_hashes: list[bytes]
+    """Chained hashes of the leased blocks, in order."""
+    num_tokens: int
+    """Tokens whose KV the blocks hold."""
+    expires_at: float
+    """Monotonic time after which the lease is void."""
+    expires_unix_ms: int
+    """The same instant as Unix milliseconds, for the wire."""
+
+
+@dataclass(slots=True)
+class LeaseTable:
+    """Active leases by id, with their expiry times."""
+
+    default_ttl_s: float
+    clock: Clock = time.monotonic
+    wall_clock: Clock = time.time
+    _leases: dict[str, Lease] = field(default_factory=dict)
+
+    def grant(
+        self,
+        handle_id: str,
+        block_hashes: list[bytes],
+        num_tokens: int,
+        ttl_s: float | None = None,
+    ) -> Lease:
+        """A new lease on a handle, valid for `ttl_s` (the default TTL when None or 0)."""
+        ttl = ttl_s if ttl_s else self.default_ttl_s
+        lease = Lease(
+            lease_id=secrets.token_hex(16),
+            handle_id=handle_id,
+            block_hashes=list(block_hashes),
+            num_tokens=num_tokens,
+            expires_at=self.clock() + ttl,
+            expires_unix_ms=int((self.wall_clock() + ttl) * 1000),
+        )
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def get(self, lease_id: str) -> Lease:
+        """The live lease; NotFound when unknown, released or past its expiry."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.expires_at <= self.clock():
+            raise NotFound(f"KV lease {lease_id!r} is unknown or has expired")
+        return lease
+
+    def take(self, lease_id: str) -> Lease:
+        """Removes and returns the live lease (to release it); NotFound as `get`."""
+        lease = self.get(lease_id)
+        del self._leases[lease_id]
+        return lease
+
+    def take_expired(self) -> list[Lease]:
+        """Removes and returns every lease past its expiry."""
+        now = self.clock()
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            del self._leases[lease.lease_id]
+        return expired
+
+    def take_all(self) -> list[Lease]:
+        """Removes and returns every lease (at shutdown)."""
+        leases = list(self._leases.values())
+        self._leases.clear()
+        return leases
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+
+@dataclass(slots=True)
+class LeaseSweeper:
+    """Every `interval_s`, releases the leases that expired and runs the `also` hook.
+
+    The hook lets the worker refresh its gauges on the same beat without a second loop.
+    """
+
+    table: LeaseTable
+    release: Release
+    interval_s: float
+    also: Callable[[], None] | None = None
+    _task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Starts the background loop."""
+        self._task = asyncio.create_task(self._run())
+
+    async def sweep(self) -> int:
+        """Releases the expired leases now; returns how many there were."""
+        expired = self.table.take_expired()
+        for lease in expired:
+            log.info(
+                "KV lease %s expired: releasing %d blocks", lease.lease_id, len(lease.block_hashes)
+            )
+            try:
+                await self.release(lease)
+            except Exception:  # one bad release must not stop the sweeper
+                log.exception("releasing expired lease %s failed", lease.lease_id)
+        return len(expired)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.sweep()
+            if self.also is not None:
+                try:
+                    self.also()
+                except Exception:  # a failing hook must not stop the sweeper
+                    log.exception("lease sweeper hook failed")
+
+    async def stop(self) -> None:
+        """Stops the loop."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

@@ -1,0 +1,517 @@
+"""gRPC face of a worker: Generate (colocated), Prefill / PullKv / ReleaseKv, Decode, Stats.
+
+The worker streams no Started event (placement is the router's business): a generation stream
+is TokenChunk* then Finished. A Decode stream's first chunk is the token the prefill worker
+sampled, sent once the missing KV is imported, so it tells the router the hand-off succeeded.
+
+Every path that takes KV blocks gives them back: a finished or aborted request frees its
+blocks in the engine; a Cancel message or a broken stream closes the engine's output iterator,
+which aborts; a failed import is cancelled; an unpulled lease expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from kvmesh.channels import insecure_channel
+from kvmesh.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    KvmeshError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from kvmesh.rpc_status import error_from_rpc
+from kvmesh.telemetry import tracer
+from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.streams import CancelWatch, Coalescer, first_message, run_unless_cancelled
+from services.worker import metrics
+from services.worker.config import WorkerConfig
+from services.worker.convert import engine_request, finished, layout_proto, token_chunk
+from services.worker.engine.kv_cache_manager import KvCapacityError
+from services.worker.engine.request import (
+    EngineRequest,
+    FinishReason,
+    ImportPlan,
+    RequestOutput,
+)
+from services.worker.kv_transfer import BlockAssembler, Pacer, check_compatible, chunk_block
+from services.worker.leases import Lease, LeaseTable
+
+if TYPE_CHECKING:
+    from services.worker.engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+_tracer = tracer(__name__)
+
+_ROLES = {
+    "prefill": worker_pb2.WORKER_ROLE_PREFILL,
+    "decode": worker_pb2.WORKER_ROLE_DECODE,
+    "both": worker_pb2.WORKER_ROLE_BOTH,
+}
+
+
+def _cancel_reason(
+    message: worker_pb2.WorkerGenerateMessage | worker_pb2.DecodeMessage,
+) -> str | None:
+    return message.cancel.reason if message.WhichOneof("message") == "cancel" else None
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What a stream has sent so far, for the Finished event of an aborted stream."""
+
+    prompt_tokens: int
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+    started: float = 0.0
+    first_token_at: float | None = None
+    last_sent_at: float | None = None
+
+    def aborted(self, kv_transfer_ms: float = 0.0) -> common_pb2.Finished:
+        now = time.monotonic()
+        return common_pb2.Finished(
+            finish_reason=common_pb2.FINISH_REASON_ABORT,
+            usage=common_pb2.Usage(
+                prompt_tokens=self.prompt_tokens,
+                cached_prompt_tokens=self.cached_prompt_tokens,
+                completion_tokens=self.output_tokens,
+            ),
+            timings=common_pb2.Timings(
+                ttft_ms=self.ttft_ms,
+                e2e_ms=(now - self.started) * 1000,
+                kv_transfer_ms=kv_transfer_ms,
+            ),
+        )
+
+    @property
+    def ttft_ms(self) -> float:
+        return 0.0 if self.first_token_at is None else (self.first_token_at - self.started) * 1000
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Implements kvmesh.v1.Worker over one AsyncEngine."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        config: WorkerConfig,
+        leases: LeaseTable,
+        address: Callable[[], str],
+    ) -> None:
+        self.engine = engine
+        self.config = config
+        self.leases = leases
+        self._address = address
+        self.layout = layout_proto(engine.layout)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- colocated ------------------------------------------------------------------------
+
+    async def Generate(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.WorkerGenerateMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        self._require(self.config.role == "both", "Generate", "both")
+        first = await first_message(request_iterator, "request")
+        if first.WhichOneof("message") != "request":
+            raise InvalidArgument("request", "the first message must be the request")
+        request = engine_request(first.request, context.time_remaining())
+        watch = CancelWatch(request_iterator, _cancel_reason)
+        watch.start()
+        progress = _Progress(prompt_tokens=len(request.prompt_token_ids), started=time.monotonic())
+        try:
+            async for event in self._stream(
+                "Generate",
+                request.request_id,
+                self.engine.generate(request),
+                watch.cancelled,
+                progress,
+            ):
+                yield event
+        finally:
+            await watch.close()
+
+    # ---- prefill side ---------------------------------------------------------------------
+
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PrefillResponse:
+        self._require(self.config.serves_prefill, "Prefill", "prefill or both")
+        engine_req = engine_request(request.request, context.time_remaining())
+        started = time.monotonic()
+        # If this RPC is cancelled meanwhile, the engine aborts the prefill and frees its blocks.
+        with _engine_errors():
+            output, handle = await self.engine.prefill_and_hold(engine_req)
+        metrics.REQUEST_PREFILL_SECONDS.labels("Prefill").observe(time.monotonic() - started)
+        response = worker_pb2.PrefillResponse(
+            first_token=token_chunk([output]),
+            cached_prompt_tokens=output.num_cached_prompt_tokens,
+        )
+        if handle is None:
+            elapsed_ms = (time.monotonic() - started) * 1000
+            response.finished.CopyFrom(finished(output, ttft_ms=elapsed_ms, e2e_ms=elapsed_ms))
+            self._count_finished("Prefill", output.finish_reason)
+            return response
+        ttl_s = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
+        lease = self.leases.grant(handle.handle_id, handle.block_hashes, handle.num_tokens, ttl_s)
+        metrics.LEASES.labels("granted").inc()
+        metrics.LEASES_ACTIVE.set(len(self.leases))
+        response.lease.CopyFrom(self._lease_proto(lease))
+        return response
+
+    def _lease_proto(self, lease: Lease) -> common_pb2.KvLease:
+        return common_pb2.KvLease(
+            lease_id=lease.lease_id,
+            worker_address=self._address(),
+            block_hashes=lease.block_hashes,
+            num_tokens=lease.num_tokens,
+            model_fingerprint=self.engine.fingerprint,
+            layout=self.layout,
+            expires_unix_ms=lease.expires_unix_ms,
+        )
+
+    async def PullKv(
+        self, request: worker_pb2.PullKvRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvChunk]:
+        self._require(self.config.serves_prefill, "PullKv", "prefill or both")
+        lease = self.leases.get(request.lease_id)
+        check_compatible(
+            self.engine.fingerprint, self.layout, request.model_fingerprint, request.layout
+        )
+        count = len(lease.block_hashes)
+        indices = list(request.block_indices) or list(range(count))
+        bad = [i for i in indices if i >= count]
+        if bad:
+            raise InvalidArgument("block_indices", f"{bad} out of range for a {count}-block lease")
+        pacer = Pacer(self.config.kv_send_max_mb_s * 1e6)
+        step = self.config.pull_batch_blocks
+        for batch in (indices[i : i + step] for i in range(0, len(indices), step)):
+            try:
+                blobs = await self.engine.export_blocks(lease.handle_id, batch)
+            except KeyError:
+                raise NotFound(f"KV lease {request.lease_id!r} expired during the pull") from None
+            for index, data in zip(batch, blobs, strict=True):
+                metrics.KV_TRANSFER_BYTES.labels("sent").inc(len(data))
+                metrics.KV_TRANSFER_BLOCKS.labels("sent").inc()
+                for chunk in chunk_block(
+                    index, lease.block_hashes[index], data, self.config.kv_chunk_bytes
+                ):
+                    yield chunk
+                    await pacer.sent(len(chunk.data))
+
+    async def ReleaseKv(
+        self, request: worker_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ReleaseKvResponse:
+        self._require(self.config.serves_prefill, "ReleaseKv", "prefill or both")
+        lease = self.leases.take(request.lease_id)
+        released = await self.release_lease(lease)
+        metrics.LEASES.labels("released").inc()
+        return worker_pb2.ReleaseKvResponse(blocks_released=released)
+
+    async def release_lease(self, lease: Lease) -> int:
+        """Unpins a lease's blocks in the engine (already taken out of the table)."""
+        metrics.LEASES_ACTIVE.set(len(self.leases))
+        try:
+            return await self.engine.release(lease.handle_id)
+        except KeyError:
+            return 0
+
+    async def expire_lease(self, lease: Lease) -> None:
+        """The lease sweeper's release callback."""
+        await self.release_lease(lease)
+        metrics.LEASES.labels("expired").inc()
+
+    # ---- decode side ----------------------------------------------------------------------
+
+    async def Decode(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.DecodeMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        self._require(self.config.serves_decode, "Decode", "decode or both")
+        first = await first_message(request_iterator, "start")
+        if first.WhichOneof("message") != "start":
+            raise InvalidArgument("start", "the first message must be the start")
+        start = first.start
+        if len(start.first_token.token_ids) != 1:
+            raise InvalidArgument("first_token", "must carry exactly the one token prefill sampled")
+        request = engine_request(start.request, context.time_remaining())
+        lease = start.lease
+        check_compatible(
+            self.engine.fingerprint, self.layout, lease.model_fingerprint, lease.layout
+        )
+        progress = _Progress(prompt_tokens=len(request.prompt_token_ids), started=time.monotonic())
+        watch = CancelWatch(request_iterator, _cancel_reason)
+        watch.start()
+        try:
+            plan = await self._start_import(request, lease)
+            try:
+                pulled = await run_unless_cancelled(
+                    self._pull_missing(plan, lease, context.time_remaining()), watch.cancelled
+                )
+            except BaseException:
+                await self.engine.cancel_import(plan)
+                raise
+            if pulled is None:
+                await self.engine.cancel_import(plan)
+                yield common_pb2.GenerateEvent(finished=progress.aborted())
+                return
+            kv_transfer_ms = (time.monotonic() - progress.started) * 1000
+            self._spawn(self._release_remote(lease))
+            async for event in self._stream(
+                "Decode",
+                request.request_id,
+                self.engine.commit_import(plan, start.first_token.token_ids[0]),
+                watch.cancelled,
+                progress,
+                kv_transfer_ms,
+                lead=start.first_token,
+                uncommitted=plan,
+            ):
+                yield event
+        finally:
+            await watch.close()
+
+    async def _start_import(self, request: EngineRequest, lease: common_pb2.KvLease) -> ImportPlan:
+        try:
+            return await self.engine.start_import(
+                request, list(lease.block_hashes), lease.num_tokens
+            )
+        except KvCapacityError as error:
+            raise ResourceExhausted(f"decode worker KV cache is full: {error}") from None
+        except ValueError as error:
+            raise InvalidArgument("lease", str(error)) from None
+
+    async def _pull_missing(
+        self, plan: ImportPlan, lease: common_pb2.KvLease, time_left: float | None
+    ) -> int:
+        """Pulls the blocks the plan lacks from the lease's worker; returns the bytes moved."""
+        missing = plan.missing_indices
+        if not missing:
+            return 0
+        started = time.monotonic()
+        assembler = BlockAssembler(
+            {i: lease.block_hashes[i] for i in missing}, self.engine.layout.block_bytes
+        )
+        stub = worker_pb2_grpc.WorkerStub(self._channel(lease.worker_address))
+        call = stub.PullKv(
+            worker_pb2.PullKvRequest(
+                lease_id=lease.lease_id,
+                block_indices=missing,
+                model_fingerprint=self.engine.fingerprint,
+                layout=self.layout,
+            ),
+            timeout=time_left,
+        )
+        with _tracer.start_as_current_span("kv_pull") as span:
+            try:
+                async for chunk in call:
+                    block = assembler.add(chunk)
+                    if block is not None:
+                        await self.engine.write_imported_block(plan, *block)
+            except grpc.aio.AioRpcError as error:
+                raise _pull_error(error, lease.worker_address) from None
+            finally:
+                call.cancel()
+            if assembler.missing():
+                raise DataLoss(f"PullKv ended before blocks {assembler.missing()} arrived")
+            span.set_attribute("kvmesh.kv_transfer.bytes", assembler.bytes_received)
+            span.set_attribute("kvmesh.kv_transfer.blocks", len(missing))
+        metrics.KV_TRANSFER_SECONDS.observe(time.monotonic() - started)
+        metrics.KV_TRANSFER_BYTES.labels("received").inc(assembler.bytes_received)
+        metrics.KV_TRANSFER_BLOCKS.labels("received").inc(len(missing))
+        return assembler.bytes_received
+
+    async def _release_remote(self, lease: common_pb2.KvLease) -> None:
+        """Ends the lease on its worker; if this fails, the lease's TTL frees the blocks."""
+        stub = worker_pb2_grpc.WorkerStub(self._channel(lease.worker_address))
+        try:
+            await stub.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=lease.lease_id), timeout=5.0)
+        except grpc.aio.AioRpcError as error:
+            log.info("ReleaseKv %s on %s: %s", lease.lease_id, lease.worker_address, error.code())
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = insecure_channel(address)
+        return channel
+
+    # ---- streaming ------------------------------------------------------------------------
+
+    async def _stream(
+        self,
+        rpc: str,
+        request_id: str,
+        outputs: AsyncIterator[RequestOutput],
+        cancelled: asyncio.Event,
+        progress: _Progress,
+        kv_transfer_ms: float = 0.0,
+        lead: common_pb2.TokenChunk | None = None,
+        uncommitted: ImportPlan | None = None,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        """`lead` (if any), coalesced chunks, then Finished.
+
+        A Cancel, a broken stream or an engine stream that ends without a finish reason stops
+        the request and frees its blocks: the engine iterator is closed (an abort), the abort
+        is also sent explicitly, and `uncommitted` (an import whose commit may never have run
+        because the stream stopped first) is cancelled if it is still pending.
+        """
+        batches = Coalescer(outputs)
+        done = False
+        try:
+            if lead is not None:
+                self._observe_chunk(rpc, progress, len(lead.token_ids))
+                yield common_pb2.GenerateEvent(chunk=lead)
+            while True:
+                with _engine_errors():
+                    batch = await run_unless_cancelled(anext(batches, None), cancelled)
+                if batch is None:
+                    # Cancelled, or the engine ended the stream without a finish reason.
+                    self._count_finished(rpc, FinishReason.ABORT)
+                    yield common_pb2.GenerateEvent(finished=progress.aborted(kv_transfer_ms))
+                    return
+                chunk = token_chunk(batch)
+                last = batch[-1]
+                progress.cached_prompt_tokens = last.num_cached_prompt_tokens
+                if chunk.token_ids:
+                    self._observe_chunk(rpc, progress, len(chunk.token_ids))
+                    yield common_pb2.GenerateEvent(chunk=chunk)
+                if last.finish_reason is not None:
+                    done = True
+                    self._count_finished(rpc, last.finish_reason)
+                    yield common_pb2.GenerateEvent(
+                        finished=finished(
+                            last,
+                            kv_transfer_ms=kv_transfer_ms,
+                            ttft_ms=progress.ttft_ms,
+                            e2e_ms=(time.monotonic() - progress.started) * 1000,
+                        )
+                    )
+                    return
+        finally:
+            await batches.aclose()
+            if not done:
+                await self._stop(request_id, uncommitted)
+
+    async def _stop(self, request_id: str, uncommitted: ImportPlan | None) -> None:
+        """Aborts a request that did not finish; frees an import that was never committed.
+
+        Engine commands run in order, so the abort follows any commit still queued; the
+        cancel_import then fails harmlessly when the commit did run.
+        """
+        await self.engine.abort(request_id)
+        if uncommitted is not None:
+            with contextlib.suppress(KeyError):
+                await self.engine.cancel_import(uncommitted)
+
+    @staticmethod
+    def _observe_chunk(rpc: str, progress: _Progress, num_tokens: int) -> None:
+        now = time.monotonic()
+        if progress.first_token_at is None:
+            progress.first_token_at = now
+            metrics.REQUEST_PREFILL_SECONDS.labels(rpc).observe(now - progress.started)
+        elif progress.last_sent_at is not None:
+            gap = (now - progress.last_sent_at) / num_tokens
+            for _ in range(num_tokens):
+                metrics.INTER_TOKEN_LATENCY.labels(rpc).observe(gap)
+        progress.last_sent_at = now
+        progress.output_tokens += num_tokens
+        metrics.GENERATION_TOKENS.labels(rpc).inc(num_tokens)
+
+    @staticmethod
+    def _count_finished(rpc: str, reason: FinishReason | None) -> None:
+        metrics.REQUESTS_FINISHED.labels(rpc, (reason or FinishReason.ABORT).value).inc()
+
+    # ---- stats ----------------------------------------------------------------------------
+
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
+        stats = self.engine.stats()
+        queried = stats.prefix_queries_tokens
+        return worker_pb2.WorkerStats(
+            role=_ROLES[self.config.role],
+            model=self.config.tier or self.engine.model_name,
+            model_fingerprint=self.engine.fingerprint,
+            running=stats.running,
+            waiting=stats.waiting,
+            kv_blocks_free=stats.kv_blocks_free,
+            kv_blocks_total=stats.kv_blocks_total,
+            block_size=stats.block_size,
+            prefix_cache_hit_rate=stats.prefix_hit_tokens / queried if queried else 0.0,
+            cached_block_hashes=stats.cached_block_hashes if request.include_block_hashes else [],
+            num_cached_blocks=len(stats.cached_block_hashes),
+            active_leases=len(self.leases),
+            tokens_per_second=stats.tokens_per_second,
+            layout=self.layout,
+            context_length=self.engine.context_length,
+        )
+
+    def refresh_gauges(self) -> None:
+        """Copies the engine's load into the Prometheus gauges (called by the lease sweeper)."""
+        stats = self.engine.stats()
+        metrics.REQUESTS_RUNNING.set(stats.running)
+        metrics.REQUESTS_WAITING.set(stats.waiting)
+        if stats.kv_blocks_total:
+            used = stats.kv_blocks_total - stats.kv_blocks_free
+            metrics.KV_CACHE_USAGE.set(used / stats.kv_blocks_total)
+        if stats.prefix_queries_tokens:
+            metrics.PREFIX_CACHE_HIT_RATE.set(stats.prefix_hit_tokens / stats.prefix_queries_tokens)
+        metrics.LEASES_ACTIVE.set(len(self.leases))
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Releases every lease and closes the channels to other workers (at shutdown)."""
+        for lease in self.leases.take_all():
+            await self.release_lease(lease)
+        for task in list(self._background):
+            task.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _require(self, allowed: bool, rpc: str, roles: str) -> None:
+        if not allowed:
+            raise FailedPrecondition(
+                f"{rpc} needs a worker of role {roles}; this one is {self.config.role!r}"
+            )
+
+
+@contextlib.contextmanager
+def _engine_errors() -> Iterator[None]:
+    """The engine's refusals as the caller's errors: bad input, or no room for the KV."""
+    try:
+        yield
+    except KvCapacityError as error:
+        raise ResourceExhausted(f"KV cache cannot hold the request: {error}") from None
+    except ValueError as error:
+        raise InvalidArgument("request", str(error)) from None
+
+
+def _pull_error(error: grpc.aio.AioRpcError, address: str) -> KvmeshError:
+    """The typed error of a failed PullKv; transport failures name the prefill worker."""
+    typed = error_from_rpc(error)
+    if isinstance(typed, Unavailable | NotFound | DataLoss | FailedPrecondition | DeadlineExceeded):
+        typed.message = f"pulling KV from {address}: {typed.message}"
+        return typed
+    return Unavailable(f"pulling KV from {address} failed: {error.code().name} {error.details()}")
