@@ -1,0 +1,63 @@
+"""python -m services.admission: the admission gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import sys
+from collections.abc import Sequence
+
+from kvmesh.config import load_config
+from kvmesh.grpc_server import GrpcServer, ServiceBinding, configure_logging, serve
+from services.admission.config import AdmissionConfig
+from services.admission.servicer import SERVICE_NAME, GatewayServicer, add_gateway_servicer
+from services.admission.wiring import build_gateway
+
+log = logging.getLogger("services.admission")
+
+_LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
+
+def local_only(config: AdmissionConfig) -> AdmissionConfig:
+    """Without a tenants file anyone could call: bind loopback only, and say so."""
+    if config.tenants is not None:
+        return config
+    if config.host not in _LOOPBACK:
+        log.warning("no tenants file: ignoring --host %s, binding 127.0.0.1 only", config.host)
+        config = dataclasses.replace(config, host="127.0.0.1")
+    log.warning(
+        "no tenants file (--tenants): serving one unlimited local tenant without "
+        "authentication, on %s only",
+        config.host,
+    )
+    return config
+
+
+async def run(config: AdmissionConfig) -> None:
+    assembly = build_gateway(config)
+    server = GrpcServer(
+        config,
+        "admission",
+        [ServiceBinding(SERVICE_NAME, GatewayServicer(assembly.gateway), add_gateway_servicer)],
+        on_stop=assembly.on_stop,
+    )
+    warm = asyncio.ensure_future(assembly.gateway.catalog.warm_up())
+    await serve(server)
+    warm.cancel()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = load_config(AdmissionConfig, argv)
+    configure_logging(config, "admission")
+    config = local_only(config)
+    try:
+        asyncio.run(run(config))
+    except ValueError as error:  # TenantFileError, malformed --price or --model-path
+        log.error("configuration error: %s", error)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Settings of the admission gateway (flags > KVMESH_ADMISSION_* environment > defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from kvmesh.config import ServerConfig
+
+
+@dataclass(slots=True, frozen=True)
+class AdmissionConfig(ServerConfig):
+    """The admission gateway: tenants, budgets, priority queue, response cache, router."""
+
+    env_prefix: ClassVar[str] = "KVMESH_ADMISSION_"
+
+    port: int = 50051
+    """gRPC port of the gateway; 0 picks a free one."""
+    metrics_port: int = 9451
+    """Prometheus metrics HTTP port; 0 picks a free one, -1 disables the endpoint."""
+    router: str = "127.0.0.1:50052"
+    """Address (host:port) of the router that places requests."""
+    cache: str = ""
+    """Address of the response cache service; empty runs without a response cache."""
+    redis: str = ""
+    """Redis URL for shared budgets and usage meters (several gateways, one budget); empty keeps
+    them in this process."""
+    redis_prefix: str = "kvmesh:admission:"
+    """Prefix of every Redis key the gateway writes."""
+    tenants: Path | None = None
+    """YAML file of tenants (hashed keys and limits); without it the gateway binds 127.0.0.1
+    only and serves one unlimited local tenant."""
+    model_path: tuple[str, ...] = ()
+    """Tokenizer source per tier, comma-separated TIER=SPEC (folder, .gguf or a known name)."""
+    default_tokenizer: str = "smollm2-135m"
+    """Tokenizer SPEC for tiers not named in --model-path."""
+    default_model: str = ""
+    """Tier used when a request names no model; empty means the router's first tier."""
+    price: tuple[str, ...] = ()
+    """Price overrides, comma-separated TIER=USD_PER_GPU_HOUR:TOKENS_PER_SECOND."""
+    default_usd_per_gpu_hour: float = 2.0
+    """Price of an accelerator hour for tiers with no configured or reported price."""
+    default_tokens_per_second: float = 100.0
+    """Throughput assumed for tiers whose workers have not reported a measured one yet."""
+    max_in_flight: int = 64
+    """Most requests admitted toward the router at once."""
+    batch_max_in_flight: int = 48
+    """Most batch requests among those in flight, so interactive ones always find a slot."""
+    interactive_queue: int = 256
+    """Interactive requests that may wait for a slot; more are shed."""
+    batch_queue: int = 1024
+    """Batch requests that may wait for a slot; more are shed."""
+    default_max_tokens: int = 256
+    """max_tokens of requests that set none (lowered to fit the model's context)."""
+    max_tokens_limit: int = 4096
+    """Largest max_tokens a request may ask for."""
+    max_stop_strings: int = 8
+    """Most stop strings per request."""
+    idempotency_entries: int = 10_000
+    """Finished results remembered for idempotency keys (oldest forgotten first)."""
+    idempotency_ttl_s: float = 3600.0
+    """How long a finished result answers a repeated idempotency key."""
+    catalog_refresh_s: float = 10.0
+    """How often the model list is fetched again from the router."""
+    cache_timeout_s: float = 0.5
+    """Deadline of a response-cache call; slower counts as a miss."""
+    cancel_grace_s: float = 2.0
+    """Time the router gets to end a cancelled stream before the call is cut."""

@@ -1,0 +1,100 @@
+"""Builds a Gateway and its clients from the configuration."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+
+from kvmesh.channels import insecure_channel
+from kvmesh.grpc_server import StopHook
+from services.admission.admission_queue import AdmissionQueue, QueueLimits
+from services.admission.catalog import ModelCatalog, parse_tier_map
+from services.admission.config import AdmissionConfig
+from services.admission.downstream import CacheClient, RouterClient
+from services.admission.gateway import Gateway
+from services.admission.idempotency import IdempotencyStore
+from services.admission.metering import MemoryMeter, RedisMeter, UsageMeter
+from services.admission.pricing import PriceTable, parse_price_overrides
+from services.admission.quotas import CounterStore, MemoryCounters, Quotas, RedisCounters
+from services.admission.tenants import TenantRegistry
+from services.admission.transcript import Transcript
+from services.admission.validation import RequestLimits
+
+log = logging.getLogger(__name__)
+
+REDIS_TIMEOUT_S = 0.5
+"""Socket timeouts of Redis calls: a stalled Redis must not stall admission."""
+
+
+@dataclass(slots=True)
+class Assembly:
+    """A built gateway and what must be closed when it stops."""
+
+    gateway: Gateway
+    on_stop: list[StopHook] = field(default_factory=list)
+
+
+def open_tenants(config: AdmissionConfig) -> TenantRegistry:
+    if config.tenants is None:
+        return TenantRegistry.open_local()
+    return TenantRegistry.from_file(config.tenants)
+
+
+def build_gateway(config: AdmissionConfig) -> Assembly:
+    """The Gateway for `config` (channels connect lazily: nothing is contacted yet)."""
+    router_channel = insecure_channel(config.router)
+    router = RouterClient(router_channel, cancel_grace_s=config.cancel_grace_s)
+    hooks: list[StopHook] = []
+    cache = None
+    if config.cache:
+        cache_channel = insecure_channel(config.cache)
+        cache = CacheClient(cache_channel, timeout_s=config.cache_timeout_s)
+        hooks.append(lambda: cache_channel.close())
+    store: CounterStore = MemoryCounters()
+    meter: UsageMeter = MemoryMeter()
+    if config.redis:
+        redis = Redis.from_url(
+            config.redis, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+        )
+        store = RedisCounters(redis, config.redis_prefix)
+        meter = RedisMeter(redis, config.redis_prefix)
+        hooks.append(redis.aclose)
+    catalog = ModelCatalog(
+        router.list_models,
+        tokenizer_specs=parse_tier_map(config.model_path, "model_path"),
+        default_tokenizer=config.default_tokenizer,
+        default_model=config.default_model,
+        refresh_s=config.catalog_refresh_s,
+    )
+    gateway = Gateway(
+        tenants=open_tenants(config),
+        catalog=catalog,
+        router=router,
+        cache=cache,
+        quotas=Quotas(store, fallback=MemoryCounters() if config.redis else None),
+        meter=meter,
+        queue=AdmissionQueue(
+            QueueLimits(
+                max_in_flight=config.max_in_flight,
+                batch_max_in_flight=min(config.batch_max_in_flight, config.max_in_flight),
+                interactive_queue=config.interactive_queue,
+                batch_queue=config.batch_queue,
+            )
+        ),
+        prices=PriceTable(
+            parse_price_overrides(config.price),
+            default_usd_per_gpu_hour=config.default_usd_per_gpu_hour,
+            default_tokens_per_second=config.default_tokens_per_second,
+        ),
+        limits=RequestLimits(
+            default_max_tokens=config.default_max_tokens,
+            max_tokens_limit=config.max_tokens_limit,
+            max_stop_strings=config.max_stop_strings,
+        ),
+        idempotency=IdempotencyStore[Transcript](
+            config.idempotency_entries, config.idempotency_ttl_s
+        ),
+    )
+    return Assembly(gateway, [gateway.close, *hooks, lambda: router_channel.close()])
