@@ -1,0 +1,430 @@
+"""The kvmesh client SDK: `Client` (asyncio) and `SyncClient` (blocking) for the gateway.
+
+    async with kvmesh.Client("127.0.0.1:50051") as client:
+        result = await client.generate("Hello", max_tokens=32)
+        async with client.stream("Tell me a story") as stream:
+            async for chunk in stream:
+                print(chunk.text, end="")
+
+A prompt is text, a list of token ids, or a chat (a list of {"role", "content"} dicts, rendered
+with the model's chat template by the gateway). Closing a stream before its end (`aclose()`,
+leaving `async with`, or dropping it) cancels the request at every hop. Failures raise the
+typed errors of `kvmesh.errors`, carrying the gRPC status and, where the server gave one, the
+`retry_after_s` to wait before trying again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator, Coroutine, Generator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+
+from kvmesh.channels import insecure_channel
+from kvmesh.errors import Internal
+from kvmesh.rpc_status import error_from_rpc
+from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+T = TypeVar("T")
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+TARGET_ENV = "KVMESH_TARGET"
+API_KEY_ENV = "KVMESH_API_KEY"
+
+PRIORITIES = {
+    "interactive": common_pb2.PRIORITY_INTERACTIVE,
+    "batch": common_pb2.PRIORITY_BATCH,
+}
+CACHE_POLICIES = {
+    "use": common_pb2.CACHE_POLICY_USE,
+    "bypass": common_pb2.CACHE_POLICY_BYPASS,
+    "refresh": common_pb2.CACHE_POLICY_REFRESH,
+}
+
+PromptInput = str | Sequence[int] | Sequence[Mapping[str, str]]
+"""Text, token ids, or chat messages ({"role": ..., "content": ...})."""
+
+
+@dataclass(slots=True, frozen=True)
+class Chunk:
+    """Tokens that arrived together, and the text they add."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class UsageInfo:
+    """Token accounting and cost of one request."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    response_cache_hit: bool = False
+    cost_usd: float = 0.0
+
+    @classmethod
+    def from_proto(cls, usage: common_pb2.Usage) -> UsageInfo:
+        return cls(
+            prompt_tokens=usage.prompt_tokens,
+            cached_prompt_tokens=usage.cached_prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            response_cache_hit=usage.response_cache_hit,
+            cost_usd=usage.cost_usd,
+        )
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """A finished generation."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    """"stop", "length", "abort", "deadline" or "error"."""
+    model: str
+    request_id: str
+    usage: UsageInfo
+    queue_ms: float = 0.0
+    ttft_ms: float = 0.0
+    e2e_ms: float = 0.0
+    placement_reason: str = ""
+    error_message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        """The CLI's --json object."""
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "model": self.model,
+            "request_id": self.request_id,
+            "usage": asdict(self.usage),
+            "timings": {"queue_ms": self.queue_ms, "ttft_ms": self.ttft_ms, "e2e_ms": self.e2e_ms},
+        }
+
+
+def build_request(
+    prompt: PromptInput,
+    *,
+    model: str = "",
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    priority: str = "interactive",
+    cache_policy: str = "use",
+    idempotency_key: str = "",
+    request_id: str = "",
+    labels: Mapping[str, str] | None = None,
+) -> gateway_pb2.GenerateRequest:
+    """The GenerateRequest for these arguments (ValueError for an unknown priority or policy)."""
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
+    if cache_policy not in CACHE_POLICIES:
+        raise ValueError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}")
+    sampling = common_pb2.SamplingParams(stop=list(stop))
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    if temperature is not None:
+        sampling.temperature = temperature
+    if top_p is not None:
+        sampling.top_p = top_p
+    if top_k is not None:
+        sampling.top_k = top_k
+    if seed is not None:
+        sampling.seed = seed
+    return gateway_pb2.GenerateRequest(
+        request_id=request_id,
+        idempotency_key=idempotency_key,
+        model=model,
+        prompt=_prompt(prompt),
+        sampling=sampling,
+        priority=PRIORITIES[priority],  # type: ignore[arg-type]
+        cache_policy=CACHE_POLICIES[cache_policy],  # type: ignore[arg-type]
+        labels=dict(labels or {}),
+    )
+
+
+def _prompt(prompt: PromptInput) -> common_pb2.Prompt:
+    if isinstance(prompt, str):
+        return common_pb2.Prompt(text=prompt)
+    items: list[Any] = list(prompt)
+    if items and all(isinstance(item, Mapping) for item in items):
+        messages = [
+            common_pb2.ChatMessage(role=str(m["role"]), content=str(m["content"])) for m in items
+        ]
+        return common_pb2.Prompt(
+            chat=common_pb2.ChatMessages(messages=messages, add_generation_prompt=True)
+        )
+    if all(isinstance(item, int) for item in items):
+        return common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=items))
+    raise TypeError("prompt must be text, a list of token ids, or a list of chat messages")
+
+
+@dataclass(slots=True)
+class _Progress:
+    started: common_pb2.Started | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finished: common_pb2.Finished | None = None
+
+
+class GenerationStream:
+    """The chunks of one generation, as they arrive; `result` once the stream has ended.
+
+    The request starts on the first read. Closing the stream early cancels the request.
+    """
+
+    def __init__(
+        self,
+        stub: gateway_pb2_grpc.GatewayStub,
+        request: gateway_pb2.GenerateRequest,
+        metadata: Sequence[tuple[str, str]],
+        deadline_s: float | None,
+    ) -> None:
+        self._stub = stub
+        self._request = request
+        self._metadata = tuple(metadata)
+        self._deadline_s = deadline_s
+        self._call: Any = None
+        self._progress = _Progress()
+
+    async def _start(self) -> Any:
+        # Written message by message (no request iterator): a stream nobody references any
+        # more is garbage-collected, and gRPC cancels a collected call.
+        call = self._stub.Generate(metadata=self._metadata, timeout=self._deadline_s)
+        self._call = call
+        await call.write(gateway_pb2.GenerateClientMessage(request=self._request))
+        return call
+
+    def __aiter__(self) -> GenerationStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._progress.finished is not None:
+            raise StopAsyncIteration
+        try:
+            call = self._call or await self._start()
+            while True:
+                event = await call.read()
+                if event is grpc.aio.EOF:
+                    raise Internal("the gateway ended the stream without a Finished event")
+                kind = event.WhichOneof("event")
+                if kind == "started":
+                    self._progress.started = event.started
+                elif kind == "chunk":
+                    self._progress.token_ids.extend(event.chunk.token_ids)
+                    self._progress.text.append(event.chunk.text)
+                    return Chunk(event.chunk.text, tuple(event.chunk.token_ids))
+                elif kind == "finished":
+                    self._progress.finished = event.finished
+                    raise StopAsyncIteration
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from None
+
+    async def cancel(self, reason: str = "cancelled by the client") -> GenerationResult:
+        """Asks the gateway to stop; returns the partial result (finish reason "abort")."""
+        if self._progress.finished is None:
+            call = self._call or await self._start()
+            await call.write(
+                gateway_pb2.GenerateClientMessage(cancel=common_pb2.Cancel(reason=reason))
+            )
+            async for _ in self:
+                pass
+        return self.result
+
+    async def aclose(self) -> None:
+        """Ends the stream; a request still running is cancelled at every hop."""
+        if self._call is not None and not self._call.done():
+            self._call.cancel()
+
+    async def __aenter__(self) -> GenerationStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def result(self) -> GenerationResult:
+        """The finished generation (raises RuntimeError before the stream has ended)."""
+        progress = self._progress
+        finished = progress.finished
+        if finished is None:
+            raise RuntimeError("the stream has not finished yet")
+        started = progress.started or common_pb2.Started()
+        return GenerationResult(
+            text="".join(progress.text),
+            token_ids=list(progress.token_ids),
+            finish_reason=common_pb2.FinishReason.Name(finished.finish_reason)
+            .removeprefix("FINISH_REASON_")
+            .lower(),
+            model=started.model,
+            request_id=started.request_id,
+            usage=UsageInfo.from_proto(finished.usage),
+            queue_ms=finished.timings.queue_ms,
+            ttft_ms=finished.timings.ttft_ms,
+            e2e_ms=finished.timings.e2e_ms,
+            placement_reason=started.placement.reason,
+            error_message=finished.error_message,
+        )
+
+
+class Client:
+    """Asynchronous client of the admission gateway."""
+
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        api_key: str | None = None,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
+        """`target` defaults to $KVMESH_TARGET or 127.0.0.1:50051, `api_key` to $KVMESH_API_KEY."""
+        self.target = target or os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {key}"),) if key else ()
+        )
+        self._channel = channel or insecure_channel(self.target)
+        self._owns_channel = channel is None
+        self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+
+    def stream(
+        self, prompt: PromptInput, *, deadline_s: float | None = None, **options: Any
+    ) -> GenerationStream:
+        """Streams a generation; `options` are those of `build_request`."""
+        return GenerationStream(
+            self._stub, build_request(prompt, **options), self._metadata, deadline_s
+        )
+
+    async def generate(
+        self, prompt: PromptInput, *, deadline_s: float | None = None, **options: Any
+    ) -> GenerationResult:
+        """Runs a generation to its end and returns it."""
+        async with self.stream(prompt, deadline_s=deadline_s, **options) as stream:
+            async for _ in stream:
+                pass
+            return stream.result
+
+    async def list_models(self) -> list[gateway_pb2.ModelInfo]:
+        """The model tiers and their prices."""
+        response = await self._unary(
+            self._stub.ListModels(gateway_pb2.ListModelsRequest(), metadata=self._metadata)
+        )
+        return list(response.models)
+
+    async def usage(self, tenant: str = "") -> gateway_pb2.UsageResponse:
+        """Metered usage of the caller's tenant (or another, for admins)."""
+        response: gateway_pb2.UsageResponse = await self._unary(
+            self._stub.Usage(gateway_pb2.UsageRequest(tenant=tenant), metadata=self._metadata)
+        )
+        return response
+
+    @staticmethod
+    async def _unary(call: Any) -> Any:
+        try:
+            return await call
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from None
+
+    async def close(self) -> None:
+        if self._owns_channel:
+            await self._channel.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class SyncClient:
+    """Blocking client: the asynchronous one driven by an event loop on a private thread."""
+
+    def __init__(self, target: str | None = None, *, api_key: str | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvmesh-client", daemon=True
+        )
+        self._thread.start()
+        self._client = self._run(_make_client(target, api_key))
+        self.target = self._client.target
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def generate(
+        self, prompt: PromptInput, *, deadline_s: float | None = None, **options: Any
+    ) -> GenerationResult:
+        """Runs a generation to its end and returns it."""
+        return self._run(self._client.generate(prompt, deadline_s=deadline_s, **options))
+
+    def stream(
+        self, prompt: PromptInput, *, deadline_s: float | None = None, **options: Any
+    ) -> Generator[Chunk, None, GenerationResult]:
+        """Yields chunks as they arrive; closing the iterator early cancels the request.
+
+        The generator returns the GenerationResult (StopIteration.value) at the end.
+        """
+        stream = self._client.stream(prompt, deadline_s=deadline_s, **options)
+        try:
+            while (chunk := self._run(_next_chunk(stream))) is not None:
+                yield chunk
+        finally:
+            if self._loop.is_running():
+                self._run(stream.aclose())
+        return stream.result
+
+    def list_models(self) -> list[gateway_pb2.ModelInfo]:
+        return self._run(self._client.list_models())
+
+    def usage(self, tenant: str = "") -> gateway_pb2.UsageResponse:
+        return self._run(self._client.usage(tenant))
+
+    def close(self) -> None:
+        """Closes the channel and stops the private loop."""
+        if not self._loop.is_running():
+            return
+        self._run(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+async def _make_client(target: str | None, api_key: str | None) -> Client:
+    """Builds the client on the loop that will use it (channels bind to their loop)."""
+    return Client(target, api_key=api_key)
+
+
+async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk | None:
+    """The next chunk, or None at the end (StopAsyncIteration cannot cross threads)."""
+    return await anext(stream, None)
