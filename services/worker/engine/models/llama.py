@@ -124,9 +124,10 @@ def normalize_rope_scaling(scaling: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies, computed exactly as transformers does."""
+    """Per-pair rotation frequencies, computed exactly as transformers does (on the CPU, also
+    while the model is being built on the meta device)."""
     dim = config.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
     inv_freq = 1.0 / (config.rope_theta**exponents)
     scaling = config.rope_scaling
     rope_type = rope_type_of(scaling)
@@ -159,7 +160,7 @@ class RotaryTables(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq = rope_inverse_frequencies(config)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
         freqs = torch.outer(positions, inv_freq)
         self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], dim=-1), persistent=False)
         self.register_buffer(
@@ -219,7 +220,12 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit _weight skips nn.Embedding's random init (slow on the meta device).
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size),
+        )
         self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
         self.final_norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -265,7 +271,7 @@ class LlamaModel(nn.Module):
         model.load_state_dict(fused, strict=True, assign=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.rotary = RotaryTables(config).to(device)
+        model.rotary.to(device)
         return model.eval()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

