@@ -1,0 +1,271 @@
+"""AsyncEngine: the Engine driven by one background thread, used from asyncio.
+
+The engine thread owns the Engine. Calls from the event loop become commands on a queue,
+applied between steps on the engine thread; their results come back as futures. Outputs of
+each step go back to the loop in one call_soon_threadsafe and are routed to per-request
+queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import queue
+import threading
+from collections.abc import AsyncGenerator, Callable
+from typing import TypeVar
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine, EngineStats
+from services.worker.engine.request import (
+    EngineRequest,
+    FinishReason,
+    ImportPlan,
+    KvHandle,
+    RequestOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# How long the engine thread sleeps when requests exist but none can run (e.g. the pool is
+# pinned by handles); commands still wake it at once.
+IDLE_POLL_S = 0.005
+
+_Delivery = list[tuple[RequestOutput, KvHandle | None]]
+
+
+class _Stop:
+    """Sentinel command that ends the engine thread."""
+
+
+class AsyncEngine:
+    """Thread-backed asyncio facade over Engine (see docs/engine_api.md)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.tokenizer = engine.tokenizer
+        self.layout = engine.layout
+        self.fingerprint = engine.fingerprint
+        self.model_name = engine.model_name
+        self.context_length = engine.context_length
+        self._commands: queue.SimpleQueue[Callable[[], None] | _Stop] = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._hold_waiters: dict[str, asyncio.Future[tuple[RequestOutput, KvHandle | None]]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        """Load the model and build the engine (blocking; call before the loop is busy)."""
+        return cls(Engine.from_config(config))
+
+    @property
+    def engine(self) -> Engine:
+        """The wrapped engine; touch it only while the engine thread is not running."""
+        return self._engine
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; every open stream ends with ABORT."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._commands.put(_Stop())
+        await asyncio.to_thread(thread.join)
+        self._thread = None
+
+    def stats(self) -> EngineStats:
+        """Snapshot taken by the engine thread after its latest step."""
+        return self._stats
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def generate(self, req: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
+        """Outputs of one request until it finishes; closing the iterator early aborts it."""
+        return self._stream(req.request_id, lambda: self._engine.add_request(req))
+
+    async def abort(self, request_id: str) -> None:
+        await self._call(lambda: self._engine.abort(request_id))
+
+    async def prefill_and_hold(self, req: EngineRequest) -> tuple[RequestOutput, KvHandle | None]:
+        """Run the prompt, sample the first token, keep the prompt's blocks pinned.
+
+        The handle is None when the first token already finished the request.
+        """
+        rid = req.request_id
+        self._check_unused(rid)
+        waiter: asyncio.Future[tuple[RequestOutput, KvHandle | None]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._hold_waiters[rid] = waiter
+        try:
+            await self._call(lambda: self._engine.add_request(req, hold_after_prefill=True))
+            return await waiter
+        except asyncio.CancelledError:
+            self._submit(lambda: self._abort_hold(rid))
+            raise
+        except BaseException:
+            self._hold_waiters.pop(rid, None)
+            raise
+
+    def _abort_hold(self, request_id: str) -> None:
+        """Engine thread: end a hold request whose caller went away.
+
+        If it is still live, its ABORT output removes the waiter on delivery. If not, its
+        output (and handle, released in _deliver) is already on the way, or it was never
+        added: either way forgetting the waiter is safe.
+        """
+        if not self._engine.abort(request_id) and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._hold_waiters.pop, request_id, None)
+
+    # ---- KV export / import -------------------------------------------------------------
+
+    async def export_blocks(self, handle_id: str, indices: list[int]) -> list[bytes]:
+        return await self._call(lambda: self._engine.export_blocks(handle_id, indices))
+
+    async def release(self, handle_id: str) -> int:
+        return await self._call(lambda: self._engine.release(handle_id))
+
+    async def start_import(
+        self, req: EngineRequest, block_hashes: list[bytes], num_tokens: int
+    ) -> ImportPlan:
+        self._check_unused(req.request_id)
+        return await self._call(lambda: self._engine.start_import(req, block_hashes, num_tokens))
+
+    async def write_imported_block(self, plan: ImportPlan, index: int, data: bytes) -> None:
+        await self._call(lambda: self._engine.write_imported_block(plan, index, data))
+
+    def commit_import(
+        self, plan: ImportPlan, first_token_id: int
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Decoding continues after first_token_id; outputs as from generate()."""
+        return self._stream(
+            plan.request_id, lambda: self._engine.commit_import(plan, first_token_id)
+        )
+
+    async def cancel_import(self, plan: ImportPlan) -> None:
+        await self._call(lambda: self._engine.cancel_import(plan))
+
+    # ---- event-loop side ----------------------------------------------------------------
+
+    async def _stream(
+        self, request_id: str, start: Callable[[], None]
+    ) -> AsyncGenerator[RequestOutput, None]:
+        self._check_unused(request_id)
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = outputs
+        started = finished = False
+        try:
+            await self._call(start)
+            started = True
+            while not finished:
+                output = await outputs.get()
+                finished = output.finish_reason is not None
+                yield output
+        finally:
+            del self._streams[request_id]
+            if started and not finished:
+                self._submit(lambda: self._engine.abort(request_id))
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self._streams or request_id in self._hold_waiters:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        if self._thread is None:
+            raise RuntimeError("AsyncEngine is not running: await start() first")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+                future.set_exception(exc)
+
+        self._commands.put(run)
+        return await asyncio.wrap_future(future)
+
+    def _submit(self, fn: Callable[[], object]) -> None:
+        """Fire-and-forget command (safe from finalizers and cancelled tasks)."""
+
+        def run() -> None:
+            try:
+                fn()
+            except Exception:  # nobody awaits it; a handle may already be gone
+                logger.exception("background engine command failed")
+
+        self._commands.put(run)
+
+    def _deliver(self, items: _Delivery) -> None:
+        for output, handle in items:
+            waiter = self._hold_waiters.pop(output.request_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result((output, handle))
+                continue
+            if handle is not None:  # its prefill caller went away: unpin the blocks
+                self._submit(functools.partial(self._engine.release, handle.handle_id))
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.put_nowait(output)
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self._engine
+        idle = False
+        while True:
+            if not self._apply_commands(wait=not engine.has_work(), idle=idle):
+                break
+            if engine.has_work():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:  # a bug in the engine: end all requests, keep serving
+                    logger.exception("engine step crashed")
+                    outputs = engine.abort_all(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+                idle = not outputs and engine.last_step_num_tokens == 0
+                self._publish(outputs)
+            self._stats = engine.stats()
+        self._publish(engine.abort_all())
+        self._stats = engine.stats()
+
+    def _apply_commands(self, *, wait: bool, idle: bool) -> bool:
+        """Run queued commands; False when told to stop.
+
+        wait: block until a command comes (nothing to step). idle: requests exist but none
+        could run last step, so pause briefly instead of spinning.
+        """
+        try:
+            if wait or idle:
+                command = self._commands.get(timeout=None if wait else IDLE_POLL_S)
+            else:
+                command = self._commands.get_nowait()
+            while True:
+                if isinstance(command, _Stop):
+                    return False
+                command()
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if not outputs or self._loop is None:
+            return
+        items = [(output, self._engine.take_handle(output.request_id)) for output in outputs]
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            for _, handle in items:
+                if handle is not None:
+                    self._engine.release(handle.handle_id)

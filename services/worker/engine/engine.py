@@ -1,0 +1,405 @@
+"""Engine: the synchronous core. add_request / abort / step(), plus KV export and import.
+
+One call to step() schedules a batch, runs the model once, samples, and returns one
+RequestOutput per request that produced something. The engine is single-threaded: AsyncEngine
+drives it from one thread, LLM from the caller's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.kv_cache_manager import KvCacheManager, KvCapacityError, cdiv
+from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_runner import BatchEntry, KvLayout, ModelRunner
+from services.worker.engine.output_processor import OutputProcessor
+from services.worker.engine.request import (
+    EngineRequest,
+    FinishReason,
+    ImportPlan,
+    KvHandle,
+    RequestOutput,
+    RequestState,
+    TokenLogprob,
+)
+from services.worker.engine.sampler import Sampler, SampleRow
+from services.worker.engine.scheduler import ScheduledChunk, Scheduler
+from services.worker.engine.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+# Output tokens per second are measured over this trailing window.
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    block_size: int
+    prefix_queries_tokens: int
+    prefix_hit_tokens: int
+    cached_block_hashes: list[bytes]
+    tokens_per_second: float
+    layout: KvLayout
+    fingerprint: str
+    num_held_handles: int = 0
+    num_preemptions: int = 0
+
+
+class Engine:
+    """One model, one KV pool, one scheduler."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig(model=loaded.name)
+        config.validate()
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.fingerprint = loaded.fingerprint
+        self.model_name = loaded.name
+        self.vocab_size = loaded.config.vocab_size
+        self.context_length = min(
+            config.max_model_len or loaded.config.max_position_embeddings,
+            loaded.config.max_position_embeddings,
+        )
+        num_blocks = _num_blocks(loaded, config)
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size)
+        self.layout = self.runner.layout
+        self.pool = BlockPool(num_blocks)
+        self.kv = KvCacheManager(
+            self.pool, config.block_size, loaded.fingerprint, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.sampler = Sampler()
+        self._states: dict[str, RequestState] = {}
+        self._imports: dict[str, tuple[ImportPlan, RequestState]] = {}
+        self._ready_handles: dict[str, KvHandle] = {}
+        self._pending: list[RequestOutput] = []
+        self._arrivals = itertools.count()
+        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self.last_step_num_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        """Load the model the config names and build an engine around it."""
+        config.validate()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(
+            config.model,
+            device=config.device,
+            dtype=config.torch_dtype(),
+            quantization=config.quantization,
+        )
+        return cls(loaded, config)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def add_request(self, req: EngineRequest, *, hold_after_prefill: bool = False) -> None:
+        """Queue a request. With hold_after_prefill it stops after its first token and its
+        prompt's blocks stay pinned under a KvHandle (take it with take_handle)."""
+        self._check_new(req, max_new_tokens=1 if hold_after_prefill else req.sampling.max_tokens)
+        state = self._new_state(req, hold_after_prefill)
+        self._states[req.request_id] = state
+        self.scheduler.add(state)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a live request now and free its blocks; an ABORT output follows at step()."""
+        state = self._states.get(request_id)
+        if state is None:
+            return False
+        self._pending.append(self._end(state, FinishReason.ABORT))
+        return True
+
+    def abort_all(
+        self, reason: FinishReason = FinishReason.ABORT, error: str | None = None
+    ) -> list[RequestOutput]:
+        """End every live request; returns their final outputs with any not yet returned."""
+        outputs, self._pending = self._pending, []
+        outputs.extend(self._end(state, reason, error) for state in list(self._states.values()))
+        return outputs
+
+    def live_request_ids(self) -> list[str]:
+        """Requests waiting or running (not held handles, not imports in progress)."""
+        return list(self._states)
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the outputs it (and aborts since) produced."""
+        outputs, self._pending = self._pending, []
+        self._expire_deadlines(outputs)
+        plan = self.scheduler.schedule()
+        self.last_step_num_tokens = plan.num_tokens
+        if not plan.chunks:
+            return outputs
+        sampled = [chunk for chunk in plan.chunks if chunk.want_logits]
+        try:
+            logits = self.runner.forward([self._batch_entry(chunk) for chunk in plan.chunks])
+            rows = [SampleRow(c.state.request.sampling, c.state.num_output_tokens) for c in sampled]
+            result = self.sampler.sample(logits, rows)
+        except Exception as exc:  # a failed batch ends its requests, not the engine
+            logger.exception("engine step failed")
+            error = f"{type(exc).__name__}: {exc}"
+            outputs.extend(self._end(c.state, FinishReason.ERROR, error) for c in plan.chunks)
+            return outputs
+        for chunk in plan.chunks:
+            chunk.state.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed_blocks(chunk.state)
+        for chunk, token_id, logprob in zip(
+            sampled, result.token_ids, result.logprobs, strict=True
+        ):
+            outputs.append(self._append_token(chunk.state, token_id, logprob))
+        self._record_throughput(len(sampled))
+        return outputs
+
+    # ---- KV export (prefill role) -------------------------------------------------------
+
+    def take_handle(self, request_id: str) -> KvHandle | None:
+        """The KvHandle of a hold request whose first token was returned (once)."""
+        return self._ready_handles.pop(request_id, None)
+
+    def export_blocks(self, handle_id: str, indices: list[int]) -> list[bytes]:
+        """Bytes of some of a handle's blocks (KeyError: unknown handle)."""
+        blocks = self.kv.held_blocks(handle_id)
+        for index in indices:
+            if not 0 <= index < len(blocks):
+                raise ValueError(f"block index {index} outside the handle's {len(blocks)} blocks")
+        return [self.runner.read_block(blocks[index]) for index in indices]
+
+    def release(self, handle_id: str) -> int:
+        """Unpin a handle's blocks; returns how many (KeyError: unknown handle)."""
+        return self.kv.release(handle_id)
+
+    # ---- KV import (decode role) --------------------------------------------------------
+
+    def start_import(
+        self, req: EngineRequest, block_hashes: list[bytes], num_tokens: int
+    ) -> ImportPlan:
+        """Allocate blocks for a request prefilled elsewhere; leading ones cached here are
+        reused. Raises KvCapacityError when the pool cannot take them."""
+        if num_tokens != len(req.prompt_token_ids):
+            raise ValueError(
+                f"the lease covers {num_tokens} tokens, the prompt has {len(req.prompt_token_ids)}"
+            )
+        self._check_new(req, max_new_tokens=req.sampling.max_tokens)
+        state = self._new_state(req, hold_after_prefill=False)
+        block_ids, missing = self.kv.start_import(state, block_hashes, num_tokens)
+        plan = ImportPlan(req.request_id, missing, block_ids, list(block_hashes), num_tokens, req)
+        self._imports[req.request_id] = (plan, state)
+        return plan
+
+    def write_imported_block(self, plan: ImportPlan, index: int, data: bytes) -> None:
+        self._import_state(plan)
+        if index not in plan.missing_indices:
+            raise ValueError(f"block {index} is not one the plan pulls")
+        self.runner.write_block(plan.block_ids[index], data)
+        plan.written.add(index)
+
+    def commit_import(self, plan: ImportPlan, first_token_id: int) -> None:
+        """Start decoding after first_token_id (sampled by the prefill engine); its outputs
+        come from step() like any request's."""
+        state = self._import_state(plan)
+        unwritten = sorted(set(plan.missing_indices) - plan.written)
+        if unwritten:
+            raise ValueError(f"blocks {unwritten} of the plan were never written")
+        if not 0 <= first_token_id < self.vocab_size:
+            raise ValueError(f"first token id {first_token_id} outside the vocabulary")
+        del self._imports[plan.request_id]
+        state.num_computed_tokens = plan.num_tokens
+        state.num_cached_prompt_tokens = (
+            len(plan.block_ids) - len(plan.missing_indices)
+        ) * self.config.block_size
+        self.kv.cache_computed_blocks(state)
+        state.token_ids.append(first_token_id)
+        # Replays what the prefill engine did with this token (its text was sent from there),
+        # so that stop strings and detokenization continue from the same state.
+        _, finish = state.processor.process(first_token_id, 1, state.num_tokens)
+        self._states[plan.request_id] = state
+        self.scheduler.add_running(state)
+        if finish is not None:
+            self._pending.append(self._end(state, finish))
+
+    def cancel_import(self, plan: ImportPlan) -> None:
+        """Free every block the plan allocated."""
+        self._import_state(plan)
+        del self._imports[plan.request_id]
+        self.kv.free(plan.request_id)
+
+    # ---- stats --------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            kv_blocks_free=self.pool.num_free_blocks,
+            kv_blocks_total=self.pool.num_blocks,
+            block_size=self.config.block_size,
+            prefix_queries_tokens=self.kv.prefix_query_tokens,
+            prefix_hit_tokens=self.kv.prefix_hit_tokens,
+            cached_block_hashes=self.pool.cached_hashes(),
+            tokens_per_second=self._tokens_per_second(),
+            layout=self.layout,
+            fingerprint=self.fingerprint,
+            num_held_handles=self.kv.num_held,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _check_new(self, req: EngineRequest, max_new_tokens: int) -> None:
+        rid = req.request_id
+        if rid in self._states or rid in self._imports or rid in self._ready_handles:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req.sampling.validate()
+        prompt = req.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt) >= self.context_length:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens leaves no room in the "
+                f"{self.context_length}-token context"
+            )
+        # The last sampled token is never computed, so it needs no KV slot.
+        kv_tokens = min(len(prompt) + max_new_tokens, self.context_length) - 1
+        needed = cdiv(kv_tokens, self.config.block_size)
+        if needed > self.pool.num_blocks:
+            raise KvCapacityError(
+                f"request needs up to {needed} KV blocks, the pool has {self.pool.num_blocks}"
+            )
+
+    def _new_state(self, req: EngineRequest, hold_after_prefill: bool) -> RequestState:
+        detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        processor = OutputProcessor(
+            req.sampling, detokenizer, self.tokenizer.eos_token_ids, self.context_length
+        )
+        return RequestState(
+            request=req,
+            arrival_seq=next(self._arrivals),
+            token_ids=list(req.prompt_token_ids),
+            num_prompt_tokens=len(req.prompt_token_ids),
+            processor=processor,
+            hold_after_prefill=hold_after_prefill,
+        )
+
+    def _import_state(self, plan: ImportPlan) -> RequestState:
+        entry = self._imports.get(plan.request_id)
+        if entry is None or entry[0] is not plan:
+            raise KeyError(f"no import in progress for request {plan.request_id!r}")
+        return entry[1]
+
+    def _batch_entry(self, chunk: ScheduledChunk) -> BatchEntry:
+        state = chunk.state
+        end = chunk.start_pos + chunk.num_tokens
+        return BatchEntry(
+            token_ids=state.token_ids[chunk.start_pos : end],
+            start_pos=chunk.start_pos,
+            block_table=self.kv.block_table(state.request_id),
+            want_logits=chunk.want_logits,
+        )
+
+    def _append_token(
+        self, state: RequestState, token_id: int, logprob: TokenLogprob | None
+    ) -> RequestOutput:
+        state.token_ids.append(token_id)
+        text, finish = state.processor.process(token_id, state.num_output_tokens, state.num_tokens)
+        if finish is not None:
+            self._retire(state)
+        elif state.hold_after_prefill:
+            self._hold(state)
+        logprobs = None if logprob is None else [logprob]
+        return self._output(state, [token_id], text, logprobs, finish)
+
+    def _hold(self, state: RequestState) -> None:
+        handle_id = uuid.uuid4().hex
+        num_tokens = state.num_computed_tokens
+        hashes = self.kv.sequence_hashes(state, num_tokens)
+        blocks = self.kv.hold(state.request_id, handle_id)
+        self.scheduler.remove(state)
+        del self._states[state.request_id]
+        self._ready_handles[state.request_id] = KvHandle(
+            handle_id, list(blocks), hashes, num_tokens
+        )
+
+    def _end(
+        self, state: RequestState, reason: FinishReason, error: str | None = None
+    ) -> RequestOutput:
+        """Finish a request from outside the sampler (abort, deadline, error)."""
+        self._retire(state)
+        return self._output(state, [], state.processor.flush(), None, reason, error)
+
+    def _retire(self, state: RequestState) -> None:
+        self.scheduler.remove(state)
+        self.kv.free(state.request_id)
+        del self._states[state.request_id]
+
+    def _output(
+        self,
+        state: RequestState,
+        new_token_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish: FinishReason | None,
+        error: str | None = None,
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=state.request_id,
+            new_token_ids=new_token_ids,
+            text_delta=text,
+            logprobs=logprobs,
+            finish_reason=finish,
+            num_prompt_tokens=state.num_prompt_tokens,
+            num_cached_prompt_tokens=state.num_cached_prompt_tokens,
+            num_output_tokens=state.num_output_tokens,
+            error=error,
+        )
+
+    def _expire_deadlines(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        expired = [
+            state
+            for state in self._states.values()
+            if state.request.deadline is not None and state.request.deadline <= now
+        ]
+        outputs.extend(self._end(state, FinishReason.DEADLINE) for state in expired)
+
+    def _record_throughput(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        self._recent_tokens.append((now, num_tokens))
+        while self._recent_tokens and self._recent_tokens[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._recent_tokens.popleft()
+
+    def _tokens_per_second(self) -> float:
+        if not self._recent_tokens:
+            return 0.0
+        now = time.monotonic()
+        recent = [n for t, n in self._recent_tokens if t >= now - THROUGHPUT_WINDOW_S]
+        return sum(recent) / THROUGHPUT_WINDOW_S
+
+
+def _num_blocks(loaded: LoadedModel, config: EngineConfig) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    block_bytes = ModelRunner.bytes_per_block(loaded.config, loaded.dtype, config.block_size)
+    num_blocks = config.kv_cache_bytes // block_bytes
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_bytes={config.kv_cache_bytes} is smaller than one KV block ({block_bytes} B)"
+        )
+    return num_blocks
