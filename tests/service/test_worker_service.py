@@ -1,0 +1,299 @@
+"""The worker service on the tiny model: colocated, split, the KV hand-off and its errors."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import REGISTRY
+
+from kvmesh.config import load_config
+from kvmesh.grpc_server import GrpcServer, ServiceBinding
+from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from services.worker.config import WorkerConfig
+from tests.service.worker_mesh import (
+    GREEDY,
+    KV_BLOCKS,
+    SEEDED,
+    InProcessWorker,
+    all_idle,
+    colocated,
+    decode_start,
+    disaggregated,
+    offline,
+    request,
+    start_worker,
+    wait_until,
+)
+
+PROMPTS = [list(range(20, 60)), list(range(300, 321))]
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # K and V x layers x block x kv heads x head dim x fp32
+
+
+@dataclass
+class Trio:
+    prefill: InProcessWorker
+    decode: InProcessWorker
+    both: InProcessWorker
+
+    @property
+    def stubs(self) -> list[worker_pb2_grpc.WorkerStub]:
+        return [self.prefill.stub, self.decode.stub, self.both.stub]
+
+
+@pytest.fixture
+async def trio(tiny_llama_dir: Path) -> AsyncIterator[Trio]:
+    workers = Trio(
+        await start_worker(tiny_llama_dir, "prefill"),
+        await start_worker(tiny_llama_dir, "decode"),
+        await start_worker(tiny_llama_dir, "both"),
+    )
+    yield workers
+    await asyncio.gather(workers.prefill.stop(), workers.decode.stop(), workers.both.stop())
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+async def test_split_equals_colocated_equals_offline(
+    trio: Trio, tiny_llama_dir: Path, sampling: common_pb2.SamplingParams
+) -> None:
+    expected = offline(tiny_llama_dir, PROMPTS, sampling)
+    for index, prompt in enumerate(PROMPTS):
+        alone = await colocated(trio.both.stub, request(f"c{index}", prompt, sampling))
+        split = await disaggregated(
+            trio.prefill.stub, trio.decode.stub, request(f"s{index}", prompt, sampling)
+        )
+        assert alone.token_ids == expected[index]
+        assert split.token_ids == expected[index]
+        assert split.text == alone.text
+        for result in (alone, split):
+            assert result.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert result.finished.usage.prompt_tokens == len(prompt)
+            assert result.finished.usage.completion_tokens == len(expected[index])
+            assert all(chunk.token_ids for chunk in result.chunks)
+        assert split.finished.timings.kv_transfer_ms > 0
+    assert await all_idle(trio.stubs)
+
+
+def _transfer(direction: str) -> tuple[float, float]:
+    labels = {"direction": direction}
+    blocks = REGISTRY.get_sample_value("kvmesh:kv_transfer_blocks_total", labels) or 0.0
+    moved = REGISTRY.get_sample_value("kvmesh:kv_transfer_bytes_total", labels) or 0.0
+    return blocks, moved
+
+
+async def test_decode_pulls_only_the_blocks_it_lacks(trio: Trio) -> None:
+    shared = list(range(100, 148))  # three full blocks
+    first = request("a", [*shared, *range(10, 20)])  # 58 tokens: 3 full blocks + 1 partial
+    second = request("b", [*shared, *range(200, 221)])  # 69 tokens: 4 full + 1 partial
+    before = _transfer("received"), _transfer("sent")
+    await disaggregated(trio.prefill.stub, trio.decode.stub, first)
+    after_first = _transfer("received"), _transfer("sent")
+    assert after_first[0][0] - before[0][0] == 4  # nothing cached yet: every block moves
+    await disaggregated(trio.prefill.stub, trio.decode.stub, second)
+    received, sent = _transfer("received"), _transfer("sent")
+    # The decode worker holds the shared prefix: only blocks 3 and 4 of the second lease move.
+    assert received[0] - after_first[0][0] == 2
+    assert received[1] - after_first[0][1] == 2 * BLOCK_BYTES
+    assert sent[0] - after_first[1][0] == 2
+    assert sent[1] - after_first[1][1] == 2 * BLOCK_BYTES
+    assert await all_idle(trio.stubs)
+
+
+class CorruptingPeer(worker_pb2_grpc.WorkerServicer):
+    """Relays PullKv from a real prefill worker, flipping one bit of the first chunk."""
+
+    def __init__(self, target: str) -> None:
+        self.stub = worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(target))
+
+    async def PullKv(
+        self, request: worker_pb2.PullKvRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvChunk]:
+        first = True
+        async for chunk in self.stub.PullKv(request):
+            if first:
+                chunk.data = bytes([chunk.data[0] ^ 1]) + chunk.data[1:]
+                first = False
+            yield chunk
+
+
+async def test_corrupted_chunk_is_data_loss_and_leaves_nothing(trio: Trio) -> None:
+    config = load_config(WorkerConfig, ["--port", "0", "--metrics-port", "-1"])
+    binding = ServiceBinding(
+        "kvmesh.v1.Worker",
+        CorruptingPeer(trio.prefill.address),  # type: ignore[abstract]  # serves PullKv only
+        worker_pb2_grpc.add_WorkerServicer_to_server,
+    )
+    relay = GrpcServer(config, "relay", [binding])
+    await relay.start()
+    try:
+        req = request("bad", PROMPTS[0])
+        prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+        prefilled.lease.worker_address = relay.address
+        call = trio.decode.stub.Decode(timeout=10)
+        await call.write(decode_start(req, prefilled))
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            _ = [event async for event in call]
+        assert raised.value.code() == grpc.StatusCode.DATA_LOSS
+        assert "checksum" in (raised.value.details() or "")
+        # Nothing half-imported stays on the decode worker; the lease is still there to release.
+        assert await all_idle([trio.decode.stub])
+        assert (await trio.prefill.stats()).active_leases == 1
+        await trio.prefill.stub.ReleaseKv(
+            worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id)
+        )
+        assert await all_idle(trio.stubs)
+    finally:
+        await relay.stop(0)
+
+
+async def _decode_error(trio: Trio, message: worker_pb2.DecodeMessage) -> grpc.aio.AioRpcError:
+    call = trio.decode.stub.Decode(timeout=10)
+    await call.write(message)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        _ = [event async for event in call]
+    return raised.value
+
+
+async def test_fingerprint_or_layout_mismatch_is_failed_precondition(trio: Trio) -> None:
+    req = request("fp", PROMPTS[0])
+    prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    lease = prefilled.lease
+
+    wrong_fingerprint = decode_start(req, prefilled)
+    wrong_fingerprint.start.lease.model_fingerprint = "0" * 16
+    error = await _decode_error(trio, wrong_fingerprint)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "fingerprint" in (error.details() or "")
+
+    for pull in (
+        worker_pb2.PullKvRequest(
+            lease_id=lease.lease_id, model_fingerprint="0" * 16, layout=lease.layout
+        ),
+        worker_pb2.PullKvRequest(
+            lease_id=lease.lease_id,
+            model_fingerprint=lease.model_fingerprint,
+            layout=common_pb2.KvLayout(
+                dtype="float32", block_size=8, num_layers=2, num_kv_heads=2, head_dim=16
+            ),
+        ),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            _ = [chunk async for chunk in trio.prefill.stub.PullKv(pull)]
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+    released = await trio.prefill.stub.ReleaseKv(
+        worker_pb2.ReleaseKvRequest(lease_id=lease.lease_id)
+    )
+    assert released.blocks_released == len(lease.block_hashes)
+    assert await all_idle(trio.stubs)
+
+
+async def test_expired_lease_is_not_found_everywhere(trio: Trio) -> None:
+    req = request("late", PROMPTS[0])
+    prefilled = await trio.prefill.stub.Prefill(
+        worker_pb2.PrefillRequest(request=req, lease_ttl_ms=200)
+    )
+    lease = prefilled.lease
+    await asyncio.sleep(0.4)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        pull = worker_pb2.PullKvRequest(
+            lease_id=lease.lease_id, model_fingerprint=lease.model_fingerprint, layout=lease.layout
+        )
+        _ = [chunk async for chunk in trio.prefill.stub.PullKv(pull)]
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await trio.prefill.stub.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=lease.lease_id))
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    error = await _decode_error(trio, decode_start(req, prefilled))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert await all_idle(trio.stubs)
+
+
+async def test_a_lease_never_pulled_is_freed_by_its_ttl(trio: Trio) -> None:
+    start = await trio.prefill.stats()
+    prefilled = await trio.prefill.stub.Prefill(
+        worker_pb2.PrefillRequest(request=request("idle", PROMPTS[0]), lease_ttl_ms=300)
+    )
+    pinned = start.kv_blocks_free - len(prefilled.lease.block_hashes)
+
+    async def held() -> bool:
+        stats = await trio.prefill.stats()  # a snapshot from the engine's latest step
+        return stats.active_leases == 1 and stats.kv_blocks_free == pinned
+
+    assert await wait_until(held, within=0.25, interval=0.01)
+    assert await all_idle([trio.prefill.stub], within=3.0)
+
+
+async def _first_chunk(call: grpc.aio.StreamStreamCall) -> None:
+    async for event in call:
+        if event.WhichOneof("event") == "chunk":
+            return
+    raise AssertionError("the stream ended before its first chunk")
+
+
+LONG = common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
+
+
+async def test_cancel_and_disconnect_free_the_blocks(trio: Trio) -> None:
+    prompt = PROMPTS[0]
+    # Colocated, Cancel message: the stream ends with Finished(ABORT).
+    call = trio.both.stub.Generate(timeout=30)
+    await call.write(worker_pb2.WorkerGenerateMessage(request=request("g1", prompt, LONG)))
+    await _first_chunk(call)
+    await call.write(worker_pb2.WorkerGenerateMessage(cancel=common_pb2.Cancel(reason="test")))
+    rest = [event async for event in call]
+    assert rest[-1].finished.finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert rest[-1].finished.usage.completion_tokens < 400
+    # Colocated, the caller goes away.
+    call = trio.both.stub.Generate(timeout=30)
+    await call.write(worker_pb2.WorkerGenerateMessage(request=request("g2", prompt, LONG)))
+    await _first_chunk(call)
+    call.cancel()
+    # Split, Cancel message, then split with the caller gone.
+    for rid, disconnect in (("d1", False), ("d2", True)):
+        req = request(rid, prompt, LONG)
+        prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+        call = trio.decode.stub.Decode(timeout=30)
+        await call.write(decode_start(req, prefilled))
+        await _first_chunk(call)
+        if disconnect:
+            call.cancel()
+        else:
+            await call.write(worker_pb2.DecodeMessage(cancel=common_pb2.Cancel(reason="test")))
+            rest = [event async for event in call]
+            assert rest[-1].finished.finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert await all_idle(trio.stubs)
+
+
+async def test_stats_and_roles(trio: Trio) -> None:
+    await colocated(trio.both.stub, request("s", PROMPTS[0]))
+    stats = await trio.both.stub.Stats(worker_pb2.StatsRequest(include_block_hashes=True))
+    assert stats.role == worker_pb2.WORKER_ROLE_BOTH
+    assert stats.kv_blocks_total == KV_BLOCKS and stats.block_size == 16
+    assert stats.num_cached_blocks == len(stats.cached_block_hashes) > 0
+    assert stats.layout.num_layers == 2 and stats.context_length == 512
+    assert len(stats.model_fingerprint) > 0
+    assert (await trio.both.stats()).cached_block_hashes == []  # only when asked for
+
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await trio.decode.stub.Prefill(worker_pb2.PrefillRequest(request=request("r", PROMPTS[0])))
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    generate = trio.prefill.stub.Generate(timeout=5)
+    await generate.write(worker_pb2.WorkerGenerateMessage(request=request("r", PROMPTS[0])))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        _ = [event async for event in generate]
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    cancel_first = trio.both.stub.Generate(timeout=5)
+    await cancel_first.write(worker_pb2.WorkerGenerateMessage(cancel=common_pb2.Cancel()))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        _ = [event async for event in cancel_first]
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    too_long = request("long", list(range(1, 400)) * 2)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await colocated(trio.both.stub, too_long)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert await all_idle(trio.stubs)

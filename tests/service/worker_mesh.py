@@ -1,0 +1,216 @@
+"""Helpers for worker and router tests: in-process workers, streams, settling checks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from kvmesh.config import load_config
+from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.worker.__main__ import Worker, build_worker
+from services.worker.config import WorkerConfig
+from services.worker.convert import sampling_params
+from services.worker.engine.llm import LLM
+
+KV_BLOCKS = 64
+"""KV pool of every test worker: small, so a leaked block shows."""
+
+GREEDY = common_pb2.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+SEEDED = common_pb2.SamplingParams(
+    max_tokens=10, temperature=0.9, top_k=50, top_p=0.95, seed=1234, ignore_eos=True
+)
+
+
+def worker_args(model: Path, role: str, *extra: str) -> list[str]:
+    """Flags of a small test worker."""
+    return [
+        "--role",
+        role,
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--num-kv-blocks",
+        str(KV_BLOCKS),
+        "--num-threads",
+        "1",
+        "--lease-sweep-interval-s",
+        "0.05",
+        *extra,
+    ]
+
+
+@dataclass
+class InProcessWorker:
+    """A started in-process worker and a channel to it."""
+
+    worker: Worker
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stub = worker_pb2_grpc.WorkerStub(self.channel)
+
+    @property
+    def address(self) -> str:
+        return self.worker.server.address
+
+    async def stats(self) -> worker_pb2.WorkerStats:
+        return await self.stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        await self.worker.stop()
+
+
+async def start_worker(model: Path, role: str, *extra: str) -> InProcessWorker:
+    """Builds and starts a worker on a free port."""
+    worker = build_worker(load_config(WorkerConfig, worker_args(model, role, *extra)))
+    await worker.start()
+    return InProcessWorker(worker, grpc.aio.insecure_channel(worker.server.address))
+
+
+def request(
+    request_id: str,
+    prompt: Sequence[int],
+    sampling: common_pb2.SamplingParams = GREEDY,
+    model: str = "tiny",
+    **fields: object,
+) -> common_pb2.InferenceRequest:
+    return common_pb2.InferenceRequest(
+        request_id=request_id,
+        model=model,
+        prompt_token_ids=list(prompt),
+        sampling=sampling,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+@dataclass
+class StreamResult:
+    """Everything a generation stream delivered."""
+
+    events: list[common_pb2.GenerateEvent]
+
+    @property
+    def chunks(self) -> list[common_pb2.TokenChunk]:
+        return [e.chunk for e in self.events if e.WhichOneof("event") == "chunk"]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for c in self.chunks for t in c.token_ids]
+
+    @property
+    def text(self) -> str:
+        return "".join(c.text for c in self.chunks)
+
+    @property
+    def started(self) -> common_pb2.Started:
+        first = self.events[0]
+        assert first.WhichOneof("event") == "started", first
+        return first.started
+
+    @property
+    def finished(self) -> common_pb2.Finished:
+        last = self.events[-1]
+        assert last.WhichOneof("event") == "finished", last
+        return last.finished
+
+
+async def collect(call: grpc.aio.StreamStreamCall) -> StreamResult:
+    return StreamResult([event async for event in call])
+
+
+async def colocated(
+    stub: worker_pb2_grpc.WorkerStub, req: common_pb2.InferenceRequest
+) -> StreamResult:
+    call = stub.Generate(timeout=30)
+    await call.write(worker_pb2.WorkerGenerateMessage(request=req))
+    return await collect(call)
+
+
+async def disaggregated(
+    prefill: worker_pb2_grpc.WorkerStub,
+    decode: worker_pb2_grpc.WorkerStub,
+    req: common_pb2.InferenceRequest,
+    lease_ttl_ms: int = 0,
+) -> StreamResult:
+    """Prefill on one worker, Decode on the other (as the router does)."""
+    prefilled = await prefill.Prefill(
+        worker_pb2.PrefillRequest(request=req, lease_ttl_ms=lease_ttl_ms), timeout=30
+    )
+    assert not prefilled.HasField("finished")
+    call = decode.Decode(timeout=30)
+    await call.write(decode_start(req, prefilled))
+    return await collect(call)
+
+
+def decode_start(
+    req: common_pb2.InferenceRequest, prefilled: worker_pb2.PrefillResponse
+) -> worker_pb2.DecodeMessage:
+    return worker_pb2.DecodeMessage(
+        start=worker_pb2.DecodeRequest(
+            request=req, lease=prefilled.lease, first_token=prefilled.first_token
+        )
+    )
+
+
+async def route(
+    stub: router_pb2_grpc.RouterStub, req: common_pb2.InferenceRequest, limit_s: float = 30
+) -> StreamResult:
+    call = stub.Generate(timeout=limit_s)
+    await call.write(router_pb2.RouteMessage(request=req))
+    return await collect(call)
+
+
+def offline(
+    model: Path, prompts: Sequence[Sequence[int]], sampling: common_pb2.SamplingParams
+) -> list[list[int]]:
+    """The engine's offline output for each prompt (the reference every path must match)."""
+    llm = LLM(str(model), num_kv_blocks=KV_BLOCKS, num_threads=1)
+    params = sampling_params(sampling)
+    return [c.token_ids for c in llm.generate([list(p) for p in prompts], params)]
+
+
+async def wait_until(
+    check: Callable[[], Awaitable[bool]], within: float = 5.0, interval: float = 0.05
+) -> bool:
+    """Polls `check` until it holds or `within` seconds pass; returns the last result."""
+    deadline = time.monotonic() + within
+    while True:
+        if await check():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(interval)
+
+
+def idle(stats: worker_pb2.WorkerStats) -> bool:
+    """No request, no lease, every KV block free (cached blocks count as free)."""
+    return (
+        stats.running == 0
+        and stats.waiting == 0
+        and stats.active_leases == 0
+        and stats.kv_blocks_free == stats.kv_blocks_total
+    )
+
+
+async def all_idle(stubs: Sequence[worker_pb2_grpc.WorkerStub], within: float = 5.0) -> bool:
+    """Waits until every worker is idle; False (with the offenders printed) when not."""
+
+    async def check() -> bool:
+        stats = [await s.Stats(worker_pb2.StatsRequest(), timeout=5) for s in stubs]
+        return all(idle(s) for s in stats)
+
+    settled = await wait_until(check, within)
+    if not settled:
+        for stub in stubs:
+            print(await stub.Stats(worker_pb2.StatsRequest(), timeout=5))
+    return settled
