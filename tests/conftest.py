@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from services.worker.engine.loader import LoadedModel
 
 TINY_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -81,3 +85,11 @@ def smollm2_gguf_path() -> Path:
     from services.worker.engine.model_files import resolve_model_path
 
     return resolve_model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_gguf_path: Path) -> LoadedModel:
+    """SmolLM2 loaded once per session (fp32, CPU); read-only, share it freely."""
+    from services.worker.engine.loader import load_model
+
+    return load_model(str(smollm2_gguf_path))

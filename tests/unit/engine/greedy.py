@@ -10,8 +10,15 @@ from services.worker.engine.model_runner import BatchEntry, ModelRunner
 
 
 def greedy_generate(
-    loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, block_size: int = 16
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    block_size: int = 16,
+    teacher_tokens: list[list[int]] | None = None,
 ) -> list[list[int]]:
+    """The argmax token of every step. With teacher_tokens, those are fed back instead of the
+    model's own picks (to compare two models position by position on the same text)."""
+    fed = teacher_tokens
     blocks_each = math.ceil((max(map(len, prompts)) + max_new_tokens) / block_size)
     runner = ModelRunner(loaded, num_blocks=blocks_each * len(prompts), block_size=block_size)
     # Sequence i owns every len(prompts)-th block, so tables interleave in the pool.
@@ -21,10 +28,11 @@ def greedy_generate(
     )
     outputs = [[int(token)] for token in logits.argmax(dim=-1)]
     for step in range(1, max_new_tokens):
+        previous = [out[step - 1] for out in (fed or outputs)]
         logits = runner.forward(
             [
-                BatchEntry([out[-1]], len(prompt) + step - 1, table)
-                for prompt, out, table in zip(prompts, outputs, tables, strict=True)
+                BatchEntry([token], len(prompt) + step - 1, table)
+                for prompt, token, table in zip(prompts, previous, tables, strict=True)
             ]
         )
         for out, token in zip(outputs, logits.argmax(dim=-1), strict=True):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.loader import LoadedModel
 from tests.unit.engine.greedy import greedy_generate
 
 PROMPTS = [
@@ -20,8 +20,8 @@ NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf_path: Path) -> LoadedModel:
-    return load_model(str(smollm2_gguf_path))
+def smollm2(smollm2_fp32: LoadedModel) -> LoadedModel:
+    return smollm2_fp32
 
 
 def test_gguf_config_and_tokenizer(smollm2: LoadedModel) -> None:
