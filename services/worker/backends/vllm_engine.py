@@ -1,0 +1,605 @@
+"""VllmEngine: the engine API (docs/engine_api.md) on vLLM's AsyncLLM, running in this process.
+
+Generation maps onto vLLM request for request: sampling, stop strings and token ids, seed,
+logprobs and the cache salt go into vLLM's SamplingParams and prompt; priority into vLLM's
+priority scheduling; aborts into AsyncLLM.abort. vLLM has no deadlines, so each request's
+deadline is a timeout here that aborts it in vLLM and ends it with DEADLINE.
+
+KV hand-off goes through kvmesh's connector (vllm_connector.py) and an entry store both sides
+see (kv_files.py):
+- prefill_and_hold runs the prompt with max_tokens=1 and asks the connector to export its
+  blocks; the entry, not vLLM's pool, is what the lease holds, so vLLM's blocks go back to its
+  prefix cache at once and a lease can never starve running requests.
+- start_import / write_imported_block fill an entry with the pulled blocks; commit_import
+  submits prompt + first token, and the connector loads the entry into vLLM's cache before
+  the first forward pass. Blocks are named by kvmesh's chained hashes (same model fingerprint,
+  block size and cache salt give the same names as on a native worker).
+
+vLLM's own prefix cache lives in its scheduler process and cannot be queried from here, so the
+hashes this engine reports as cached (stats, and the leading blocks start_import does not pull)
+are those of prompts it recently ran, capped to its pool size. If vLLM evicted them meanwhile,
+the connector offers nothing and vLLM recomputes the prompt: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.config import KVTransferConfig
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from services.worker.backends import vllm_connector
+from services.worker.backends.kv_files import BlockFiles, make_store_dir
+from services.worker.backends.kv_wire import WIRE_FORMATS
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import THROUGHPUT_WINDOW_S, EngineStats
+from services.worker.engine.kv_cache_manager import KvCapacityError, cdiv, hash_block_chain
+from services.worker.engine.loader import load_model, resolve_model_path, save_hf_folder
+from services.worker.engine.model_runner import KvLayout, dtype_name
+from services.worker.engine.request import (
+    EngineRequest,
+    FinishReason,
+    ImportPlan,
+    KvHandle,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+
+log = logging.getLogger(__name__)
+
+# vLLM's CPU attention kernels take blocks of a multiple of 32 tokens.
+CPU_BLOCK_MULTIPLE = 32
+_FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ERROR,
+}
+
+
+@dataclass(slots=True)
+class _Load:
+    """vLLM's load as its stat loggers report it, accumulated between Stats calls."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_queries_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    recent_tokens: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def tokens_per_second(self) -> float:
+        horizon = time.monotonic() - THROUGHPUT_WINDOW_S
+        while self.recent_tokens and self.recent_tokens[0][0] < horizon:
+            self.recent_tokens.popleft()
+        return sum(n for _, n in self.recent_tokens) / THROUGHPUT_WINDOW_S
+
+
+class _LoadRecorder(StatLoggerBase):
+    """A vLLM stat logger that copies each step's scheduler stats into a _Load."""
+
+    def __init__(self, load: _Load, vllm_config: Any, engine_index: int = 0) -> None:
+        self._load = load
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is not None:
+            self._load.running = scheduler_stats.num_running_reqs
+            self._load.waiting = scheduler_stats.num_waiting_reqs
+            self._load.kv_cache_usage = scheduler_stats.kv_cache_usage
+            self._load.prefix_queries_tokens += scheduler_stats.prefix_cache_stats.queries
+            self._load.prefix_hit_tokens += scheduler_stats.prefix_cache_stats.hits
+        if iteration_stats is not None and iteration_stats.num_generation_tokens:
+            self._load.recent_tokens.append(
+                (time.monotonic(), iteration_stats.num_generation_tokens)
+            )
+
+    def log_engine_initialized(self) -> None:
+        return
+
+
+@dataclass(slots=True)
+class _Import:
+    plan: ImportPlan
+    key: str
+    first_index: int  # blocks before it are expected in vLLM's own prefix cache
+
+
+class VllmEngine:
+    """The engine API over vLLM (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, *, kv_wire_format: str = "vllm") -> None:
+        """Loads the model's metadata and fingerprint (blocking); start() launches vLLM."""
+        config.validate()
+        if kv_wire_format not in WIRE_FORMATS:
+            raise ValueError(
+                f"kv_wire_format must be one of {WIRE_FORMATS}, got {kv_wire_format!r}"
+            )
+        if config.quantization != "none":
+            raise ValueError("the vLLM backend serves unquantized weights only")
+        if config.block_size % CPU_BLOCK_MULTIPLE:
+            config = config.replace(block_size=CPU_BLOCK_MULTIPLE)
+        self.config = config
+        self._wire_format = kv_wire_format
+        self._work_dir = make_store_dir()
+        loaded = load_model(config.model, device=config.device, dtype=config.torch_dtype())
+        self.tokenizer = loaded.tokenizer
+        self.fingerprint = loaded.fingerprint
+        self.model_name = loaded.name
+        self.vocab_size = loaded.config.vocab_size
+        max_len = loaded.config.max_position_embeddings
+        self.context_length = min(config.max_model_len or max_len, max_len)
+        self.layout = KvLayout(
+            dtype=dtype_name(loaded.dtype),
+            block_size=config.block_size,
+            num_layers=loaded.config.num_layers,
+            num_kv_heads=loaded.config.num_kv_heads,
+            head_dim=loaded.config.head_dim,
+            engine="native" if kv_wire_format == "native" else "vllm",
+        )
+        self._model_dir = self._hf_folder(loaded)
+        del loaded
+        self._store_dir = self._work_dir / "kv"
+        self._store_dir.mkdir()
+        self._files = BlockFiles(self._store_dir, self.layout.block_bytes)
+        self._num_blocks = config.num_kv_blocks or config.kv_cache_bytes // self.layout.block_bytes
+        self._llm: AsyncLLM | None = None
+        self._load = _Load()
+        self._held: dict[str, int] = {}  # lease handle id (= entry key) -> blocks
+        self._imports: dict[str, _Import] = {}
+        self._live: set[str] = set()
+        self._known_hashes: OrderedDict[bytes, None] = OrderedDict()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, kv_wire_format: str = "vllm") -> VllmEngine:
+        return cls(config, kv_wire_format=kv_wire_format)
+
+    def _hf_folder(self, loaded: Any) -> Path:
+        """vLLM reads Hugging Face folders: a GGUF model is written out as one first."""
+        path = resolve_model_path(self.config.model)
+        if path.is_dir():
+            return path
+        folder = self._work_dir / "model"
+        save_hf_folder(loaded, folder)
+        return folder
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Launch vLLM's engine processes (blocking for the model load, tens of seconds)."""
+        if self._llm is not None:
+            return
+        # vLLM pins its worker's OpenMP threads to whole cores unless told not to; on a
+        # shared machine the thread count is the engine config's.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if self.config.num_threads is not None:
+            os.environ["OMP_NUM_THREADS"] = str(self.config.num_threads)
+        self._llm = AsyncLLM.from_engine_args(
+            self._engine_args(), stat_loggers=[self._make_load_recorder]
+        )
+
+    def _make_load_recorder(self, vllm_config: Any, engine_index: int) -> StatLoggerBase:
+        return _LoadRecorder(self._load, vllm_config, engine_index)
+
+    def _engine_args(self) -> AsyncEngineArgs:
+        config = self.config
+        transfer = KVTransferConfig(
+            kv_connector="KvmeshConnector",
+            kv_connector_module_path=vllm_connector.__name__,
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                vllm_connector.EXTRA_STORE_DIR: str(self._store_dir),
+                vllm_connector.EXTRA_BLOCK_BYTES: self.layout.block_bytes,
+                vllm_connector.EXTRA_WIRE_FORMAT: self._wire_format,
+            },
+        )
+        return AsyncEngineArgs(
+            model=str(self._model_dir),
+            dtype=self.layout.dtype,
+            block_size=config.block_size,
+            kv_cache_memory_bytes=self._num_blocks * self.layout.block_bytes,
+            max_model_len=self.context_length,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            scheduling_policy="priority",
+            # torch.compile takes minutes on a small CPU; eager is what the engine compares to.
+            enforce_eager=True,
+            disable_log_stats=False,
+            kv_transfer_config=transfer,
+        )
+
+    async def shutdown(self) -> None:
+        """Stop vLLM (open streams end with ABORT) and delete every entry."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.shutdown()
+        self._held.clear()
+        self._imports.clear()
+        shutil.rmtree(self._work_dir, ignore_errors=True)
+
+    @property
+    def llm(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError("VllmEngine is not running: await start() first")
+        return self._llm
+
+    def stats(self) -> EngineStats:
+        load = self._load
+        total = self.llm.vllm_config.cache_config.num_gpu_blocks or self._num_blocks
+        used = round(load.kv_cache_usage * total)
+        return EngineStats(
+            running=load.running,
+            waiting=load.waiting,
+            kv_blocks_free=total - used,
+            kv_blocks_total=total,
+            block_size=self.layout.block_size,
+            prefix_queries_tokens=load.prefix_queries_tokens,
+            prefix_hit_tokens=load.prefix_hit_tokens,
+            cached_block_hashes=list(self._known_hashes),
+            tokens_per_second=load.tokens_per_second(),
+            layout=self.layout,
+            fingerprint=self.fingerprint,
+            num_held_handles=len(self._held),
+        )
+
+    # ---- generation ---------------------------------------------------------------------
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; closing the iterator early aborts it."""
+        self._check_new(req, req.sampling.max_tokens)
+        self._remember_prompt(req)
+        params = self._sampling(req.sampling, req.sampling.max_tokens)
+        async for output in self._run(req, req.prompt_token_ids, params):
+            yield output
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    async def _run(
+        self,
+        req: EngineRequest,
+        prompt_ids: list[int],
+        params: VllmSamplingParams,
+        *,
+        tokens_before: int = 0,
+        cached_prompt_tokens: int | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """One vLLM request's outputs as engine outputs, until it finishes or its deadline.
+
+        tokens_before: output tokens the caller already has (the imported first token).
+        """
+        rid = req.request_id
+        prompt = TokensPrompt(prompt_token_ids=prompt_ids)
+        if req.cache_salt:
+            prompt["cache_salt"] = req.cache_salt.hex()
+        self._live.add(rid)
+        stream = self.llm.generate(prompt, params, rid, priority=int(req.priority))
+        num_output = tokens_before
+        num_cached = 0
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout_at(req.deadline):
+                        out = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    yield self._output(
+                        req, [], "", None, FinishReason.DEADLINE, num_output, num_cached
+                    )
+                    return
+                completion = out.outputs[0]
+                num_output += len(completion.token_ids)
+                num_cached = (
+                    cached_prompt_tokens
+                    if cached_prompt_tokens is not None
+                    else (out.num_cached_tokens or 0)
+                )
+                finish = _FINISH_REASONS.get(str(completion.finish_reason), FinishReason.ERROR)
+                output = self._output(
+                    req,
+                    list(completion.token_ids),
+                    completion.text,
+                    _logprobs(completion.logprobs, req.sampling.logprobs),
+                    finish if completion.finish_reason is not None else None,
+                    num_output,
+                    num_cached,
+                )
+                yield output
+                if output.finish_reason is not None:
+                    return
+        finally:
+            self._live.discard(rid)
+            await stream.aclose()  # aborts the request in vLLM if it has not finished
+
+    def _output(
+        self,
+        req: EngineRequest,
+        token_ids: list[int],
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        finish: FinishReason | None,
+        num_output: int,
+        num_cached: int,
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=token_ids,
+            text_delta=text,
+            logprobs=logprobs,
+            finish_reason=finish,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_cached_prompt_tokens=num_cached,
+            num_output_tokens=num_output,
+        )
+
+    def _sampling(
+        self, sampling: SamplingParams, max_tokens: int, kv_params: dict[str, Any] | None = None
+    ) -> VllmSamplingParams:
+        return VllmSamplingParams(
+            max_tokens=max_tokens,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop=list(sampling.stop),
+            stop_token_ids=list(sampling.stop_token_ids),
+            logprobs=sampling.logprobs,
+            ignore_eos=sampling.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
+        )
+
+    # ---- KV export (prefill role) -------------------------------------------------------
+
+    async def prefill_and_hold(self, req: EngineRequest) -> tuple[RequestOutput, KvHandle | None]:
+        """Run the prompt, sample the first token, keep the prompt's blocks in an entry.
+
+        The handle is None when the first token already finished the request.
+        """
+        self._check_new(req, 1)
+        self._remember_prompt(req)
+        key = uuid.uuid4().hex
+        params = self._sampling(req.sampling, 1, {vllm_connector.PARAM_EXPORT: key})
+        outputs: list[RequestOutput] = []
+        try:
+            async for output in self._run(req, req.prompt_token_ids, params):
+                outputs.append(output)
+            first = _merge(outputs)
+            if self._ends_after_first_token(req, first):
+                self._files.delete(key)
+                return first, None
+            num_blocks = cdiv(len(req.prompt_token_ids), self.layout.block_size)
+            if self._files.num_blocks(key) != num_blocks:
+                raise RuntimeError(
+                    f"vLLM exported {self._files.num_blocks(key)} blocks, not {num_blocks}"
+                )
+        except BaseException:
+            self._files.delete(key)
+            raise
+        self._held[key] = num_blocks
+        first.finish_reason = None
+        handle = KvHandle(
+            handle_id=key,
+            block_ids=list(range(num_blocks)),
+            block_hashes=self._hashes(req),
+            num_tokens=len(req.prompt_token_ids),
+        )
+        return first, handle
+
+    def _ends_after_first_token(self, req: EngineRequest, first: RequestOutput) -> bool:
+        """vLLM stopped at max_tokens=1 (LENGTH); that ends the request only if the request
+        itself allows no more tokens."""
+        if first.finish_reason != FinishReason.LENGTH:
+            return True
+        room = self.context_length - len(req.prompt_token_ids)
+        return req.sampling.max_tokens <= 1 or room <= 1
+
+    async def export_blocks(self, handle_id: str, indices: list[int]) -> list[bytes]:
+        """Bytes of some of a held entry's blocks (KeyError: unknown handle)."""
+        if handle_id not in self._held:
+            raise KeyError(handle_id)
+        return await asyncio.to_thread(self._files.read_blocks, handle_id, indices)
+
+    async def release(self, handle_id: str) -> int:
+        """Drop a held entry; returns its blocks (KeyError: unknown handle)."""
+        num_blocks = self._held.pop(handle_id)
+        self._files.delete(handle_id)
+        return num_blocks
+
+    # ---- KV import (decode role) --------------------------------------------------------
+
+    async def start_import(
+        self, req: EngineRequest, block_hashes: list[bytes], num_tokens: int
+    ) -> ImportPlan:
+        """An entry for a request prefilled elsewhere; leading blocks this engine ran
+        recently are not pulled. Raises KvCapacityError when vLLM's pool cannot hold it."""
+        if num_tokens != len(req.prompt_token_ids):
+            raise ValueError(
+                f"the lease covers {num_tokens} tokens, the prompt has {len(req.prompt_token_ids)}"
+            )
+        if req.request_id in self._imports:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self._check_new(req, req.sampling.max_tokens)
+        expected = self._hashes(req)
+        if list(block_hashes) != expected:
+            raise ValueError(
+                "the lease's block hashes are not this prompt's under this worker's model, "
+                f"block size ({self.layout.block_size}) and cache salt"
+            )
+        num_full = num_tokens // self.layout.block_size
+        reused = 0
+        while reused < num_full and expected[reused] in self._known_hashes:
+            reused += 1
+        key = uuid.uuid4().hex
+        self._files.create(key, len(expected))
+        missing = list(range(reused, len(expected)))
+        plan = ImportPlan(
+            req.request_id, missing, list(range(len(expected))), list(expected), num_tokens, req
+        )
+        self._imports[req.request_id] = _Import(plan, key, reused)
+        return plan
+
+    async def write_imported_block(self, plan: ImportPlan, index: int, data: bytes) -> None:
+        entry = self._import(plan)
+        if index not in plan.missing_indices:
+            raise ValueError(f"block {index} is not one the plan pulls")
+        await asyncio.to_thread(self._files.write_block, entry.key, index, data)
+        plan.written.add(index)
+
+    async def commit_import(
+        self, plan: ImportPlan, first_token_id: int
+    ) -> AsyncIterator[RequestOutput]:
+        """Decoding continues after first_token_id; outputs as from generate()."""
+        entry = self._import(plan)
+        unwritten = sorted(set(plan.missing_indices) - plan.written)
+        if unwritten:
+            raise ValueError(f"blocks {unwritten} of the plan were never written")
+        if not 0 <= first_token_id < self.vocab_size:
+            raise ValueError(f"first token id {first_token_id} outside the vocabulary")
+        del self._imports[plan.request_id]
+        req = plan.request
+        try:
+            self._remember_prompt(req)
+            finish = self._first_token_finish(req, first_token_id)
+            cached = entry.first_index * self.layout.block_size
+            if finish is not None:
+                yield self._output(req, [], "", None, finish, 1, cached)
+                return
+            params = self._sampling(
+                req.sampling,
+                req.sampling.max_tokens - 1,
+                {
+                    vllm_connector.PARAM_IMPORT: {
+                        "key": entry.key,
+                        "num_tokens": plan.num_tokens,
+                        "first_index": entry.first_index,
+                    }
+                },
+            )
+            prompt = [*req.prompt_token_ids, first_token_id]
+            async for output in self._run(
+                req, prompt, params, tokens_before=1, cached_prompt_tokens=cached
+            ):
+                yield output
+        finally:
+            self._files.delete(entry.key)
+
+    def _first_token_finish(self, req: EngineRequest, token_id: int) -> FinishReason | None:
+        """What the prefill's token alone says: the request is already over, or not."""
+        sampling = req.sampling
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= self.tokenizer.eos_token_ids
+        if token_id in stop_ids:
+            return FinishReason.STOP
+        if sampling.max_tokens <= 1 or len(req.prompt_token_ids) + 1 >= self.context_length:
+            return FinishReason.LENGTH
+        return None
+
+    async def cancel_import(self, plan: ImportPlan) -> None:
+        """Drop the entry of an import that will not be committed."""
+        entry = self._import(plan)
+        del self._imports[plan.request_id]
+        self._files.delete(entry.key)
+
+    def _import(self, plan: ImportPlan) -> _Import:
+        entry = self._imports.get(plan.request_id)
+        if entry is None or entry.plan is not plan:
+            raise KeyError(f"no import in progress for request {plan.request_id!r}")
+        return entry
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _check_new(self, req: EngineRequest, max_new_tokens: int) -> None:
+        if req.request_id in self._live:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.sampling.validate()
+        prompt = req.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt) >= self.context_length:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens leaves no room in the "
+                f"{self.context_length}-token context"
+            )
+        kv_tokens = min(len(prompt) + max_new_tokens, self.context_length)
+        needed = cdiv(kv_tokens, self.layout.block_size)
+        if needed > self._num_blocks:
+            raise KvCapacityError(
+                f"request needs up to {needed} KV blocks, the pool has {self._num_blocks}"
+            )
+
+    def _hashes(self, req: EngineRequest) -> list[bytes]:
+        return hash_block_chain(
+            req.prompt_token_ids, self.layout.block_size, self.fingerprint, req.cache_salt
+        )
+
+    def _remember_prompt(self, req: EngineRequest) -> None:
+        """Note the prompt's full blocks as (probably) in vLLM's prefix cache."""
+        if not self.config.enable_prefix_caching:
+            return
+        num_full = len(req.prompt_token_ids) // self.layout.block_size
+        for block_hash in self._hashes(req)[:num_full]:
+            self._known_hashes[block_hash] = None
+            self._known_hashes.move_to_end(block_hash)
+        while len(self._known_hashes) > self._num_blocks:
+            self._known_hashes.popitem(last=False)
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """One output carrying every token and text delta of several (the last one's counts)."""
+    if not outputs:
+        raise RuntimeError("vLLM ended the request without any output")
+    last = outputs[-1]
+    logprobs = [entry for output in outputs for entry in output.logprobs or []]
+    return RequestOutput(
+        request_id=last.request_id,
+        new_token_ids=[t for output in outputs for t in output.new_token_ids],
+        text_delta="".join(output.text_delta for output in outputs),
+        logprobs=logprobs if any(o.logprobs is not None for o in outputs) else None,
+        finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_cached_prompt_tokens=last.num_cached_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+        error=last.error,
+    )
+
+
+def _logprobs(entries: Any, num_top: int | None) -> list[TokenLogprob] | None:
+    """vLLM's per-token {token id: Logprob} dicts (the sampled token first, then the top
+    ones) as engine TokenLogprobs."""
+    if num_top is None or entries is None:
+        return None
+    result = []
+    for position in entries:
+        sampled_id, sampled = next(iter(position.items()))
+        ranked = sorted(position.items(), key=lambda item: item[1].rank)
+        top = [(token_id, float(lp.logprob)) for token_id, lp in ranked[:num_top]]
+        result.append(TokenLogprob(sampled_id, float(sampled.logprob), top))
+    return result
