@@ -24,8 +24,9 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry import propagate
 
-from kvmesh.channels import insecure_channel
+from kvmesh.channels import CHANNEL_OPTIONS
 from kvmesh.errors import Internal
 from kvmesh.rpc_status import error_from_rpc
 from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -119,6 +120,7 @@ def build_request(
     top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
+    ignore_eos: bool = False,
     priority: str = "interactive",
     cache_policy: str = "use",
     idempotency_key: str = "",
@@ -130,7 +132,7 @@ def build_request(
         raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
     if cache_policy not in CACHE_POLICIES:
         raise ValueError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}")
-    sampling = common_pb2.SamplingParams(stop=list(stop))
+    sampling = common_pb2.SamplingParams(stop=list(stop), ignore_eos=ignore_eos)
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
     if temperature is not None:
@@ -226,6 +228,8 @@ class GenerationStream:
                     return Chunk(event.chunk.text, tuple(event.chunk.token_ids))
                 elif kind == "finished":
                     self._progress.finished = event.finished
+                    # Wait for the call's status, so closing the stream now cancels nothing.
+                    await call.read()
                     raise StopAsyncIteration
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from None
@@ -295,10 +299,12 @@ class Client:
         """`target` defaults to $KVMESH_TARGET or 127.0.0.1:50051, `api_key` to $KVMESH_API_KEY."""
         self.target = target or os.environ.get(TARGET_ENV) or DEFAULT_TARGET
         key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
-        self._metadata: tuple[tuple[str, str], ...] = (
+        self._api_key_metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {key}"),) if key else ()
         )
-        self._channel = channel or insecure_channel(self.target)
+        # No client interceptors: their wrapping of streaming calls keeps a cancelled or
+        # dropped stream alive; the caller's trace context is injected per call instead.
+        self._channel = channel or grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self._owns_channel = channel is None
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
@@ -307,7 +313,7 @@ class Client:
     ) -> GenerationStream:
         """Streams a generation; `options` are those of `build_request`."""
         return GenerationStream(
-            self._stub, build_request(prompt, **options), self._metadata, deadline_s
+            self._stub, build_request(prompt, **options), self._metadata(), deadline_s
         )
 
     async def generate(
@@ -322,16 +328,22 @@ class Client:
     async def list_models(self) -> list[gateway_pb2.ModelInfo]:
         """The model tiers and their prices."""
         response = await self._unary(
-            self._stub.ListModels(gateway_pb2.ListModelsRequest(), metadata=self._metadata)
+            self._stub.ListModels(gateway_pb2.ListModelsRequest(), metadata=self._metadata())
         )
         return list(response.models)
 
     async def usage(self, tenant: str = "") -> gateway_pb2.UsageResponse:
         """Metered usage of the caller's tenant (or another, for admins)."""
         response: gateway_pb2.UsageResponse = await self._unary(
-            self._stub.Usage(gateway_pb2.UsageRequest(tenant=tenant), metadata=self._metadata)
+            self._stub.Usage(gateway_pb2.UsageRequest(tenant=tenant), metadata=self._metadata())
         )
         return response
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        """The API key, and the W3C trace context of the caller's current span if any."""
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        return (*self._api_key_metadata, *carrier.items())
 
     @staticmethod
     async def _unary(call: Any) -> Any:

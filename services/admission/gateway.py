@@ -278,8 +278,9 @@ class Gateway:
                         yield started
                     yield self._observe_chunk(job, transcript, event.chunk)
                 elif kind == "finished":
+                    # Read on to the end of the call: the router ends it right after Finished,
+                    # and cutting a call that is still open would look like a cancel.
                     transcript.finished = event.finished
-                    break
         except DeadlineExceeded:
             transcript.finish(common_pb2.FINISH_REASON_DEADLINE)
         except KvmeshError as error:

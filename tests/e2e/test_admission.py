@@ -1,0 +1,611 @@
+"""The admission gateway in front of a real router, worker and response cache (subprocesses).
+
+One mesh per module: a colocated worker on the tiny random Llama, the router, the cache
+service (memory), and two gateways sharing budgets through the real Redis on 127.0.0.1:6379
+under a prefix of their own. Tests that need other settings (a tiny admission queue, a
+Redis that goes away) start their own gateway in front of the same router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import redis
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvmesh
+from kvmesh.cli import main as cli_main
+from kvmesh.errors import (
+    InvalidArgument,
+    KvmeshError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from kvmesh.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
+from services.admission.tenants import PriorityClass, Tenant, add_tenant
+from tests.procs import ServiceProcess, start_service
+
+pytestmark = pytest.mark.e2e
+
+TIER = "tiny"
+KV_BLOCKS = 64
+REDIS_URL = "redis://127.0.0.1:6379/0"
+LONG_PROMPT = "Numbers: 0 1 2"
+"""A prompt the tiny model continues for hundreds of tokens (ignore_eos makes sure)."""
+
+
+@dataclass
+class Mesh:
+    worker: ServiceProcess
+    router: ServiceProcess
+    cache: ServiceProcess
+    gateway: ServiceProcess
+    gateway_b: ServiceProcess
+    keys: dict[str, str]
+    model_dir: Path
+    redis_prefix: str
+
+    def client(self, tenant: str = "alice", gateway: ServiceProcess | None = None) -> kvmesh.Client:
+        return kvmesh.Client((gateway or self.gateway).address, api_key=self.keys[tenant])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def gateway_args(mesh_router: str, model_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--router",
+        mesh_router,
+        "--model-path",
+        f"{TIER}={model_dir}",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        *extra,
+    ]
+
+
+def write_tenants(path: Path) -> dict[str, str]:
+    specs = [
+        Tenant(name="alice", key_sha256=""),
+        Tenant(name="bob", key_sha256=""),
+        Tenant(name="carol", key_sha256="", shared_cache=True),
+        Tenant(name="dave", key_sha256="", shared_cache=True),
+        Tenant(name="limited", key_sha256="", tokens_per_minute=60),
+        Tenant(name="batcher", key_sha256="", models=(TIER,), highest_priority=PriorityClass.BATCH),
+    ]
+    return {spec.name: add_tenant(path, spec)[1] for spec in specs}
+
+
+def wait_until_served(address: str, api_key: str, timeout: float = 60.0) -> None:
+    """Until the router has the worker in rotation and a request goes through."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with kvmesh.SyncClient(address, api_key=api_key) as client:
+                client.generate("warm up", max_tokens=1, cache_policy="bypass")
+            return
+        except KvmeshError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    state = tmp_path_factory.mktemp("admission_mesh")
+    started: list[ServiceProcess] = []
+    prefix = f"test:admission:{uuid.uuid4().hex}:"
+    try:
+        worker = start_service(
+            "services.worker",
+            [
+                "--role", "both", "--model", str(tiny_llama_dir), "--tier", TIER,
+                "--port", "0", "--metrics-port", "-1", "--num-kv-blocks", str(KV_BLOCKS),
+                "--num-threads", "1",
+            ],
+        )  # fmt: skip
+        started.append(worker)
+        pools = state / "pools.yaml"
+        pools.write_text(
+            yaml.safe_dump(
+                {"tiers": [{"name": TIER, "base_model": TIER, "colocated": [worker.address]}]}
+            )
+        )
+        router = start_service(
+            "services.router", ["--config", str(pools), "--port", "0", "--metrics-port", "-1"]
+        )
+        started.append(router)
+        cache = start_service("services.cache", ["--port", "0", "--metrics-port", "-1"])
+        started.append(cache)
+        tenants = state / "tenants.yaml"
+        keys = write_tenants(tenants)
+        shared = ["--cache", cache.address, "--tenants", str(tenants), "--redis", REDIS_URL,
+                  "--redis-prefix", prefix]  # fmt: skip
+        gateway = start_service(
+            "services.admission", gateway_args(router.address, tiny_llama_dir, *shared)
+        )
+        started.append(gateway)
+        gateway_b = start_service(
+            "services.admission", gateway_args(router.address, tiny_llama_dir, *shared)
+        )
+        started.append(gateway_b)
+        wait_until_served(gateway.address, keys["alice"])
+        yield Mesh(worker, router, cache, gateway, gateway_b, keys, tiny_llama_dir, prefix)
+    finally:
+        for process in reversed(started):
+            process.terminate()
+        client = redis.Redis.from_url(REDIS_URL)
+        stale = list(client.scan_iter(match=prefix + "*"))
+        if stale:
+            client.delete(*stale)
+        client.close()
+
+
+async def worker_stats(mesh: Mesh) -> worker_pb2.WorkerStats:
+    async with grpc.aio.insecure_channel(mesh.worker.address) as channel:
+        return await worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest())
+
+
+def unique(text: str) -> str:
+    return f"{text} {uuid.uuid4().hex[:6]}"
+
+
+def avoid_minute_edge() -> None:
+    """Budgets count per clock minute: start a budget test well inside one."""
+    into_minute = time.time() % 60
+    if into_minute > 50:
+        time.sleep(60 - into_minute + 0.1)
+
+
+# --- tenants and authentication -------------------------------------------------------------
+
+
+async def test_credentials_and_permissions_map_to_status_codes(mesh: Mesh) -> None:
+    async with kvmesh.Client(mesh.gateway.address, api_key="") as anonymous:
+        with pytest.raises(Unauthenticated):
+            await anonymous.generate("hi", max_tokens=2)
+    async with kvmesh.Client(mesh.gateway.address, api_key="kvm_wrong") as stranger:
+        with pytest.raises(Unauthenticated):
+            await stranger.generate("hi", max_tokens=2)
+    async with mesh.client("batcher") as batcher:
+        with pytest.raises(PermissionDenied, match="model 'auto'"):
+            await batcher.generate("hi", model="auto", max_tokens=2, priority="batch")
+        with pytest.raises(PermissionDenied, match="interactive"):
+            await batcher.generate("hi", max_tokens=2, priority="interactive")
+        ok = await batcher.generate("hi", max_tokens=2, priority="batch")
+        assert ok.finish_reason in ("stop", "length")
+    async with mesh.client() as alice:
+        with pytest.raises(InvalidArgument) as raised:
+            await alice.generate("hi", model="no-such-tier", max_tokens=2)
+        assert raised.value.field == "model"
+        result = await alice.generate("still serving", max_tokens=3, cache_policy="bypass")
+        assert result.model == TIER and result.usage.completion_tokens > 0
+
+
+async def test_list_models_and_usage(mesh: Mesh) -> None:
+    async with mesh.client("bob") as bob:
+        models = await bob.list_models()
+        assert [m.id for m in models] == [TIER]
+        assert models[0].usd_per_1k_tokens > 0 and models[0].context_length == 512
+        await bob.generate(unique("metered"), max_tokens=4, ignore_eos=True)
+        usage = await bob.usage()
+        assert usage.tenant == "bob" and usage.cost_usd > 0
+        assert usage.models[0].model == TIER and usage.models[0].usage.completion_tokens >= 4
+        with pytest.raises(PermissionDenied):
+            await bob.usage("alice")
+
+
+# --- budgets ---------------------------------------------------------------------------------
+
+
+async def test_tokens_per_minute_budget_is_shared_by_two_gateways(mesh: Mesh) -> None:
+    avoid_minute_edge()
+    request: dict[str, Any] = {"max_tokens": 40, "ignore_eos": True, "cache_policy": "bypass"}
+    async with mesh.client("limited") as on_a, mesh.client("limited", mesh.gateway_b) as on_b:
+        first = await on_a.generate(LONG_PROMPT, **request)
+        assert first.usage.completion_tokens == 40
+        for client in (on_b, on_a):
+            with pytest.raises(ResourceExhausted) as raised:
+                await client.generate(LONG_PROMPT, **request)
+            error = raised.value
+            assert error.retry_after_s is not None and 0 < error.retry_after_s <= 60
+            assert error.quota_violations[0].subject == "tenant:limited"
+            assert "tokens per minute" in error.quota_violations[0].description
+        usage = await on_b.usage()
+        assert usage.tokens_this_minute == first.usage.prompt_tokens + 40
+    async with mesh.client("bob", mesh.gateway_b) as bob:
+        assert (await bob.generate("other tenants go on", max_tokens=2)).finish_reason
+
+
+# --- response cache --------------------------------------------------------------------------
+
+
+async def test_a_repeated_greedy_request_is_a_cache_hit(mesh: Mesh) -> None:
+    prompt = unique("cache me")
+    async with mesh.client() as alice:
+        first = await alice.generate(prompt, max_tokens=8)
+        second = await alice.generate(prompt, max_tokens=8)
+    assert not first.usage.response_cache_hit and first.usage.completion_tokens > 0
+    assert second.usage.response_cache_hit and second.usage.completion_tokens == 0
+    assert (second.text, second.token_ids) == (first.text, first.token_ids)
+    assert second.finish_reason == first.finish_reason
+    assert second.usage.cost_usd < first.usage.cost_usd / 10
+
+
+async def test_sampled_requests_are_cached_only_with_a_seed(mesh: Mesh) -> None:
+    prompt = unique("sampled")
+    async with mesh.client() as alice:
+        for _ in range(2):
+            unseeded = await alice.generate(prompt, max_tokens=6, temperature=0.9)
+            assert not unseeded.usage.response_cache_hit
+        seeded = [
+            await alice.generate(prompt, max_tokens=6, temperature=0.9, seed=7) for _ in range(2)
+        ]
+    assert not seeded[0].usage.response_cache_hit and seeded[1].usage.response_cache_hit
+    assert seeded[1].token_ids == seeded[0].token_ids
+
+
+async def test_tenants_never_share_entries_unless_both_opted_in(mesh: Mesh) -> None:
+    prompt = unique("private")
+    async with mesh.client("alice") as alice, mesh.client("bob") as bob:
+        await alice.generate(prompt, max_tokens=5)
+        assert not (await bob.generate(prompt, max_tokens=5)).usage.response_cache_hit
+    async with mesh.client("carol") as carol, mesh.client("dave") as dave:
+        await carol.generate(prompt, max_tokens=5)
+        assert (await dave.generate(prompt, max_tokens=5)).usage.response_cache_hit
+
+
+async def test_refresh_regenerates_and_bypass_neither_reads_nor_writes(mesh: Mesh) -> None:
+    async with mesh.client() as alice:
+        prompt = unique("refresh")
+        await alice.generate(prompt, max_tokens=5)
+        refreshed = await alice.generate(prompt, max_tokens=5, cache_policy="refresh")
+        assert not refreshed.usage.response_cache_hit and refreshed.usage.completion_tokens > 0
+        assert (await alice.generate(prompt, max_tokens=5)).usage.response_cache_hit
+        bypassed = unique("bypass")
+        await alice.generate(bypassed, max_tokens=5, cache_policy="bypass")
+        assert not (await alice.generate(bypassed, max_tokens=5)).usage.response_cache_hit
+
+
+async def test_an_idempotency_key_returns_the_first_result(mesh: Mesh) -> None:
+    key = uuid.uuid4().hex
+    async with mesh.client() as alice:
+        first = await alice.generate(
+            LONG_PROMPT, max_tokens=6, temperature=1.0, idempotency_key=key
+        )
+        again = await alice.generate(
+            LONG_PROMPT, max_tokens=6, temperature=1.0, idempotency_key=key
+        )
+        with pytest.raises(InvalidArgument) as raised:
+            await alice.generate("something else", max_tokens=6, idempotency_key=key)
+    assert again.request_id == first.request_id and again.token_ids == first.token_ids
+    assert raised.value.field == "idempotency_key"
+
+
+def start_redis(port: int) -> subprocess.Popen[bytes]:
+    server = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--save", "",
+         "--appendonly", "no", "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return server
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                server.kill()
+                raise
+            time.sleep(0.05)
+
+
+async def test_redis_down_means_misses_and_hits_resume_when_it_is_back(mesh: Mesh) -> None:
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    server = start_redis(port)
+    cache = start_service(
+        "services.cache", ["--port", "0", "--metrics-port", "-1", "--redis", url,
+                           "--redis-retry-s", "0.2"],
+    )  # fmt: skip
+    gateway = start_service(
+        "services.admission",
+        gateway_args(mesh.router.address, mesh.model_dir, "--cache", cache.address, "--redis", url),
+    )
+    prompt = unique("redis")
+    try:
+        async with kvmesh.Client(gateway.address) as client:
+            await client.generate(prompt, max_tokens=5)
+            assert (await client.generate(prompt, max_tokens=5)).usage.response_cache_hit
+            server.terminate()
+            server.wait()
+            for _ in range(2):
+                result = await client.generate(prompt, max_tokens=5)
+                assert not result.usage.response_cache_hit and result.usage.completion_tokens > 0
+            server = start_redis(port)  # empty: nothing survived
+            deadline = time.monotonic() + 10
+            while not (await client.generate(prompt, max_tokens=5)).usage.response_cache_hit:
+                assert time.monotonic() < deadline, "hits did not resume after Redis came back"
+                await asyncio.sleep(0.2)
+    finally:
+        gateway.terminate()
+        cache.terminate()
+        server.kill()
+        server.wait()
+
+
+# --- admission control -----------------------------------------------------------------------
+
+
+def waiting(gateway: ServiceProcess, priority: str) -> float:
+    """The gateway's kvmesh:num_requests_waiting gauge for a priority."""
+    url = f"http://127.0.0.1:{gateway.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    line = f'kvmesh:num_requests_waiting{{priority="{priority}"}} '
+    found = [row for row in text.splitlines() if row.startswith(line)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+async def until(condition: Callable[[], Awaitable[bool]], within_s: float = 5.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not await condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+def queued(gateway: ServiceProcess, priority: str, count: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return await asyncio.to_thread(waiting, gateway, priority) == count
+
+    return check
+
+
+def worker_busy(mesh: Mesh) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return (await worker_stats(mesh)).running == 1
+
+    return check
+
+
+async def test_interactive_goes_first_and_a_full_queue_sheds(mesh: Mesh) -> None:
+    gateway = start_service(
+        "services.admission",
+        gateway_args(mesh.router.address, mesh.model_dir, "--max-in-flight", "1",
+                     "--batch-max-in-flight", "1", "--batch-queue", "3", "--interactive-queue",
+                     "2"),
+    )  # fmt: skip
+    batch: dict[str, Any] = {
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "priority": "batch",
+        "cache_policy": "bypass",
+    }
+    finished: list[str] = []
+
+    async def run(client: kvmesh.Client, name: str, **options: Any) -> None:
+        await client.generate(LONG_PROMPT, **options)
+        finished.append(name)
+
+    try:
+        async with kvmesh.Client(gateway.address) as client:
+            await client.generate(LONG_PROMPT, **batch)  # teaches the queue how long one takes
+            holder = asyncio.create_task(run(client, "b0", **batch))
+            await until(worker_busy(mesh))
+            flood = [asyncio.create_task(run(client, f"b{i}", **batch)) for i in (1, 2, 3)]
+            await until(queued(gateway, "batch", 3))
+            interactive = asyncio.create_task(run(client, "i", max_tokens=5, cache_policy="bypass"))
+            await until(queued(gateway, "interactive", 1))
+            with pytest.raises(ResourceExhausted, match="batch queue is full") as full:
+                await client.generate(LONG_PROMPT, **batch)
+            assert full.value.retry_after_s is not None and full.value.retry_after_s > 0
+            started = time.monotonic()
+            with pytest.raises(ResourceExhausted, match="exceeds the request's deadline") as late:
+                await client.generate("hurry", max_tokens=5, deadline_s=0.2)
+            assert time.monotonic() - started < 0.2
+            assert late.value.retry_after_s is not None and late.value.retry_after_s > 0.2
+            assert not holder.done(), "the slot holder ended before the checks: too fast"
+            await asyncio.gather(holder, interactive, *flood)
+        assert finished[:2] == ["b0", "i"], finished
+    finally:
+        gateway.terminate()
+
+
+# --- deadlines and cancellation --------------------------------------------------------------
+
+
+async def test_a_short_deadline_returns_partial_text_with_deadline(mesh: Mesh) -> None:
+    async with mesh.client() as alice:
+        started = time.monotonic()
+        result = await alice.generate(
+            LONG_PROMPT, max_tokens=480, ignore_eos=True, deadline_s=0.6, cache_policy="bypass"
+        )
+    assert time.monotonic() - started < 0.6
+    assert result.finish_reason == "deadline"
+    assert 0 < len(result.token_ids) < 480 and result.text
+    assert result.usage.completion_tokens == len(result.token_ids)
+
+
+async def test_closing_the_stream_early_cancels_every_hop(mesh: Mesh) -> None:
+    assert (await worker_stats(mesh)).kv_blocks_free == KV_BLOCKS
+    async with mesh.client() as alice:
+        stream = alice.stream(LONG_PROMPT, max_tokens=480, ignore_eos=True, cache_policy="bypass")
+        seen = 0
+        async for _ in stream:
+            seen += 1
+            if seen == 3:
+                break
+        busy = await worker_stats(mesh)
+        assert busy.running == 1 and busy.kv_blocks_free < KV_BLOCKS
+        await stream.aclose()
+        deadline = time.monotonic() + 2.0
+        while (stats := await worker_stats(mesh)).running or stats.kv_blocks_free < KV_BLOCKS:
+            assert time.monotonic() < deadline, f"request still on the worker: {stats}"
+            await asyncio.sleep(0.05)
+        # An explicit Cancel ends the stream with the partial answer.
+        stream = alice.stream(LONG_PROMPT, max_tokens=480, ignore_eos=True, cache_policy="bypass")
+        await anext(stream)
+        partial = await stream.cancel()
+        assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 480
+    deadline = time.monotonic() + 2.0
+    while (stats := await worker_stats(mesh)).running or stats.kv_blocks_free < KV_BLOCKS:
+        assert time.monotonic() < deadline, f"request still on the worker: {stats}"
+        await asyncio.sleep(0.05)
+
+
+def test_the_sync_client_cancels_when_its_iterator_is_closed(mesh: Mesh) -> None:
+    with kvmesh.SyncClient(mesh.gateway.address, api_key=mesh.keys["alice"]) as client:
+        chunks = client.stream(LONG_PROMPT, max_tokens=480, ignore_eos=True, cache_policy="bypass")
+        next(chunks)
+        chunks.close()
+        deadline = time.monotonic() + 2.0
+        while (stats := asyncio.run(worker_stats(mesh))).running:
+            assert time.monotonic() < deadline, f"request still on the worker: {stats}"
+            time.sleep(0.05)
+        assert stats.kv_blocks_free == KV_BLOCKS
+
+
+# --- hostile input ---------------------------------------------------------------------------
+
+ACCEPTABLE = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+_floats = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([0.0, 0.5, 1.0])
+)
+_sampling = st.builds(
+    common_pb2.SamplingParams,
+    max_tokens=st.one_of(st.integers(0, 6), st.sampled_from([600, 5000, 2**32 - 1])),
+    temperature=_floats,
+    top_k=st.integers(0, 2**32 - 1),
+    top_p=_floats,
+    seed=st.integers(0, 2**64 - 1),
+    stop=st.lists(st.text(max_size=4), max_size=10),
+    stop_token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=3),
+    logprobs=st.integers(0, 40),
+)
+_prompt = st.one_of(
+    st.builds(common_pb2.Prompt),
+    st.builds(common_pb2.Prompt, text=st.text(max_size=40)),
+    st.builds(
+        common_pb2.Prompt,
+        token_ids=st.builds(
+            common_pb2.TokenIds, ids=st.lists(st.integers(0, 2**32 - 1), max_size=8)
+        ),
+    ),
+    st.builds(
+        common_pb2.Prompt,
+        chat=st.builds(
+            common_pb2.ChatMessages,
+            messages=st.lists(
+                st.builds(
+                    common_pb2.ChatMessage,
+                    role=st.sampled_from(["user", "system", "assistant", "robot", ""]),
+                    content=st.text(max_size=20),
+                ),
+                max_size=3,
+            ),
+            add_generation_prompt=st.booleans(),
+        ),
+    ),
+    st.just(common_pb2.Prompt(text="x" * 3000)),
+)
+_request = st.builds(
+    gateway_pb2.GenerateRequest,
+    request_id=st.text(max_size=8),
+    model=st.sampled_from([TIER, "auto", "", "nope", "t" * 300]),
+    prompt=_prompt,
+    sampling=_sampling,
+    priority=st.integers(0, 4),
+    cache_policy=st.integers(0, 5),
+    labels=st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=3),
+)
+_message = st.one_of(
+    _request.map(lambda r: gateway_pb2.GenerateClientMessage(request=r).SerializeToString()),
+    st.binary(max_size=64),
+    st.just(b"\x0a\x05\x1a\x03a\xffc"),  # a request whose model is invalid UTF-8
+    st.just(gateway_pb2.GenerateClientMessage(cancel=common_pb2.Cancel()).SerializeToString()),
+)
+
+
+def test_malformed_requests_get_clear_errors_and_never_crash_the_gateway(mesh: Mesh) -> None:
+    channel = grpc.insecure_channel(mesh.gateway.address)
+    generate = channel.stream_stream(
+        "/kvmesh.v1.Gateway/Generate",
+        request_serializer=lambda data: data,
+        response_deserializer=common_pb2.GenerateEvent.FromString,
+    )
+    metadata = (("authorization", f"Bearer {mesh.keys['alice']}"),)
+
+    @settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(message=_message)
+    def check(message: bytes) -> None:
+        try:
+            events = list(generate(iter([message]), metadata=metadata, timeout=20))
+        except grpc.RpcError as error:
+            code = error.code()  # type: ignore[attr-defined]
+            assert code in ACCEPTABLE, f"{code}: {error.details()}"  # type: ignore[attr-defined]
+            assert error.details()  # type: ignore[attr-defined]
+            return
+        kinds = [e.WhichOneof("event") for e in events]
+        assert kinds[0] == "started" and kinds[-1] == "finished", kinds
+
+    try:
+        check()
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        channel.close()
+    with kvmesh.SyncClient(mesh.gateway.address, api_key=mesh.keys["alice"]) as client:
+        assert client.generate("after the storm", max_tokens=2).finish_reason
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+def test_cli_generate_json_and_chat(
+    mesh: Mesh, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import json
+
+    monkeypatch.setenv("KVMESH_API_KEY", mesh.keys["alice"])
+    target = ["--target", mesh.gateway.address]
+    assert cli_main(["generate", *target, "--max-tokens", "4", "--json", "hello there"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["model"] == TIER and printed["finish_reason"] in ("stop", "length")
+    assert set(printed["usage"]) == {
+        "prompt_tokens", "cached_prompt_tokens", "completion_tokens", "response_cache_hit",
+        "cost_usd",
+    }  # fmt: skip
+    assert len(printed["token_ids"]) == printed["usage"]["completion_tokens"] > 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nand again\n"))
+    assert cli_main(["chat", *target, "--max-tokens", "3", "--system", "be brief"]) == 0
+    assert capsys.readouterr().out.count("\n") >= 2
+    assert cli_main(["generate", *target, "--model", "nope", "x"]) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err

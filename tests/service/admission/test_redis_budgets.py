@@ -1,0 +1,97 @@
+"""Budgets and usage meters in the real Redis (127.0.0.1:6379), each test under its own prefix."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from kvmesh.errors import ResourceExhausted
+from services.admission.metering import ModelTotals, RedisMeter
+from services.admission.quotas import MemoryCounters, Quotas, RedisCounters
+from services.admission.tenants import Tenant
+
+ACME = Tenant(name="acme", key_sha256="", tokens_per_minute=1000, daily_tokens=5000)
+
+
+@pytest.fixture
+async def redis() -> AsyncIterator[tuple[Redis, str]]:
+    client = Redis.from_url("redis://127.0.0.1:6379/0", socket_timeout=1.0)
+    prefix = f"test:admission:{uuid.uuid4().hex}:"
+    try:
+        yield client, prefix
+    finally:
+        keys = [key async for key in client.scan_iter(match=prefix + "*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_two_gateways_share_one_budget(redis: tuple[Redis, str]) -> None:
+    client, prefix = redis
+    first = Quotas(RedisCounters(client, prefix), fallback=MemoryCounters())
+    second = Quotas(RedisCounters(client, prefix), fallback=MemoryCounters())
+    held = await first.reserve(ACME, 600)
+    with pytest.raises(ResourceExhausted) as raised:
+        await second.reserve(ACME, 600)
+    assert raised.value.retry_after_s is not None and 0 < raised.value.retry_after_s <= 60
+    await first.settle(held, 100)
+    await second.reserve(ACME, 600)
+    assert await first.used(ACME) == (700, 700)
+
+
+async def test_concurrent_reservations_never_overshoot(redis: tuple[Redis, str]) -> None:
+    client, prefix = redis
+    gateways = [Quotas(RedisCounters(client, prefix)) for _ in range(4)]
+
+    async def try_reserve(quotas: Quotas) -> bool:
+        try:
+            await quotas.reserve(ACME, 30)
+        except ResourceExhausted:
+            return False
+        return True
+
+    results = await asyncio.gather(*(try_reserve(gateways[i % 4]) for i in range(60)))
+    assert sum(results) == 1000 // 30
+    minute, _ = await gateways[0].used(ACME)
+    assert minute == (1000 // 30) * 30
+
+
+async def test_counters_expire(redis: tuple[Redis, str]) -> None:
+    client, prefix = redis
+    await Quotas(RedisCounters(client, prefix)).reserve(ACME, 10)
+    keys = [key async for key in client.scan_iter(match=prefix + "*")]
+    assert len(keys) == 2
+    for key in keys:
+        assert 0 < await client.ttl(key) <= 86_400 + 60
+
+
+async def test_unreachable_redis_counts_locally() -> None:
+    client = Redis.from_url(
+        f"redis://127.0.0.1:{closed_port()}/0", socket_timeout=0.2, socket_connect_timeout=0.2
+    )
+    quotas = Quotas(RedisCounters(client, "unused:"), fallback=MemoryCounters())
+    await quotas.reserve(ACME, 900)
+    with pytest.raises(ResourceExhausted):
+        await quotas.reserve(ACME, 200)
+    assert await quotas.used(ACME) == (900, 900)
+    await client.aclose()
+
+
+async def test_usage_meter_sums_across_gateways(redis: tuple[Redis, str]) -> None:
+    client, prefix = redis
+    for _ in range(2):
+        meter = RedisMeter(client, prefix)
+        await meter.record("acme", "tiny", ModelTotals(1, 10, 4, 20, 0, 0.5))
+    totals = await RedisMeter(client, prefix).totals("acme")
+    assert totals == {"tiny": ModelTotals(2, 20, 8, 40, 0, 1.0)}
