@@ -18,8 +18,13 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    """An asyncio channel to another kvmesh service that carries the W3C traceparent."""
+def insecure_channel(address: str, traced: bool = True) -> grpc.aio.Channel:
+    """An asyncio channel to another kvmesh service that carries the W3C traceparent.
+
+    Background polling (health checks, Stats refreshes) passes traced=False: it belongs to
+    no request, and a trace per poll would bury the requests' traces."""
     return grpc.aio.insecure_channel(
-        address, options=CHANNEL_OPTIONS, interceptors=aio_client_interceptors()
+        address,
+        options=CHANNEL_OPTIONS,
+        interceptors=aio_client_interceptors() if traced else None,
     )

@@ -34,6 +34,9 @@ def add_stack_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     up.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
     up.add_argument("--port", type=int, default=GATEWAY_PORT, help="gateway port")
     up.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    up.add_argument(
+        "--port-offset", type=int, default=0, help="shift every other port (a second stack)"
+    )
     up.add_argument("--tenants", type=Path, default=None, help="tenants YAML for the gateway")
     up.add_argument("--redis", default="", help="Redis URL for budgets and the response cache")
     up.add_argument("--trace-file", type=Path, default=None, help="write spans as JSON lines")
@@ -85,6 +88,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         tenants=args.tenants,
         redis=args.redis,
         host=args.host,
+        port_offset=args.port_offset,
         state_dir=args.state_dir,
         worker_args=tuple(args.worker_arg),
     )

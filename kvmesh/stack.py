@@ -23,6 +23,9 @@ ROUTER_METRICS_PORT = 9452
 CACHE_METRICS_PORT = 9453
 FIRST_WORKER_METRICS_PORT = 9461
 
+WORKER_GRACE_S = 30.0
+"""Seconds a stopping (drained) worker gives its in-flight requests to finish."""
+
 WORKER_ROLES = ("prefill", "decode", "both")
 
 
@@ -42,6 +45,8 @@ class StackOptions:
     """Decode workers (disaggregated mode); colocated mode starts this many colocated workers."""
     gateway_port: int = GATEWAY_PORT
     """Port of the admission gateway, the stack's front door."""
+    port_offset: int = 0
+    """Added to every other gRPC and metrics port, to run a second stack beside the first."""
     tenants: Path | None = None
     """Tenants file for the gateway; none serves one local tenant on 127.0.0.1."""
     redis: str = ""
@@ -92,8 +97,8 @@ def worker_service(options: StackOptions, role: str, index: int, slot: int) -> S
     """The `index`-th worker of `role`, on the `slot`-th worker port."""
     if role not in WORKER_ROLES:
         raise ValueError(f"worker role must be one of {WORKER_ROLES}, got {role!r}")
-    port = FIRST_WORKER_PORT + slot
-    metrics_port = FIRST_WORKER_METRICS_PORT + slot
+    port = FIRST_WORKER_PORT + options.port_offset + slot
+    metrics_port = FIRST_WORKER_METRICS_PORT + options.port_offset + slot
     name = f"{'worker' if role == 'both' else role}-{index}"
     args = (
         "--role",
@@ -108,6 +113,8 @@ def worker_service(options: StackOptions, role: str, index: int, slot: int) -> S
         str(port),
         "--metrics-port",
         str(metrics_port),
+        "--grace-s",
+        str(WORKER_GRACE_S),
         *options.worker_args,
     )
     return StackService(name, "services.worker", args, options.host, port, metrics_port, role)
@@ -162,33 +169,30 @@ def write_pools_file(options: StackOptions, workers: list[StackService]) -> Path
 def plan_stack(options: StackOptions) -> list[StackService]:
     """Every process, in start order: cache, workers, router, gateway."""
     host = options.host
-    cache_args = [
-        "--host",
-        host,
-        "--port",
-        str(CACHE_PORT),
-        "--metrics-port",
-        str(CACHE_METRICS_PORT),
-    ]
+    offset = options.port_offset
+    cache_port, cache_metrics = CACHE_PORT + offset, CACHE_METRICS_PORT + offset
+    cache_args = ["--host", host, "--port", str(cache_port), "--metrics-port", str(cache_metrics)]
     if options.redis:
         cache_args += ["--redis", options.redis]
     cache = StackService(
-        "cache", "services.cache", tuple(cache_args), host, CACHE_PORT, CACHE_METRICS_PORT
+        "cache", "services.cache", tuple(cache_args), host, cache_port, cache_metrics
     )
     workers = plan_workers(options)
+    router_port, router_metrics = ROUTER_PORT + offset, ROUTER_METRICS_PORT + offset
     router_args = (
         "--config",
         str(pools_path(options)),
         "--host",
         host,
         "--port",
-        str(ROUTER_PORT),
+        str(router_port),
         "--metrics-port",
-        str(ROUTER_METRICS_PORT),
+        str(router_metrics),
     )
     router = StackService(
-        "router", "services.router", router_args, host, ROUTER_PORT, ROUTER_METRICS_PORT
+        "router", "services.router", router_args, host, router_port, router_metrics
     )
+    gateway_metrics = GATEWAY_METRICS_PORT + offset
     gateway_args = [
         "--router",
         router.address,
@@ -201,7 +205,7 @@ def plan_stack(options: StackOptions) -> list[StackService]:
         "--port",
         str(options.gateway_port),
         "--metrics-port",
-        str(GATEWAY_METRICS_PORT),
+        str(gateway_metrics),
     ]
     if options.tenants is not None:
         gateway_args += ["--tenants", str(options.tenants)]
@@ -213,6 +217,6 @@ def plan_stack(options: StackOptions) -> list[StackService]:
         tuple(gateway_args),
         host,
         options.gateway_port,
-        GATEWAY_METRICS_PORT,
+        gateway_metrics,
     )
     return [cache, *workers, router, gateway]

@@ -90,6 +90,9 @@ class Supervisor:
             stdin=asyncio.subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             preexec_fn=_die_with_parent,
+            # Own session: a terminal's Ctrl-C reaches only the supervisor, which stops the
+            # children in order (gateway first) instead of all at once.
+            start_new_session=True,
         )
         child = Child(service, process, asyncio.get_running_loop().create_future())
         child.pump = asyncio.create_task(self._pump(child))

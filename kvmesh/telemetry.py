@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from opentelemetry import trace
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
@@ -72,7 +73,11 @@ def setup_tracing(
     trace_file = environ.get(TRACE_FILE_ENV)
     if not otlp and not trace_file:
         return None
-    resource = Resource.create({SERVICE_NAME: environ.get("OTEL_SERVICE_NAME", service_name)})
+    attributes: dict[str, str] = {SERVICE_NAME: environ.get("OTEL_SERVICE_NAME", service_name)}
+    if "service.instance.id" not in environ.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        # Several processes share a service name (prefill and decode workers): tell them apart.
+        attributes[SERVICE_INSTANCE_ID] = f"{socket.gethostname()}:{os.getpid()}"
+    resource = Resource.create(attributes)
     provider = TracerProvider(resource=resource)
     if otlp:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
