@@ -1,0 +1,303 @@
+"""`kvmesh up` as a user runs it: the whole mesh as subprocesses with the tiny model.
+
+Requests go through the CLI and the SDK and must return the engine's own tokens; the trace
+file must hold one trace per request spanning all five processes; the metrics ports must
+move by the right amounts; `kvmesh scale` must add a worker that serves and drain one
+without losing its in-flight requests; Ctrl-C must leave no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import kvmesh
+from kvmesh.stack import FIRST_WORKER_METRICS_PORT, FIRST_WORKER_PORT, GATEWAY_METRICS_PORT
+from tests.procs import REPO_ROOT
+
+TIER = "tiny"
+PROMPT = "The quick brown fox"
+MAX_TOKENS = 12
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def pick_offset() -> int:
+    """A port offset under which every port a 3-worker stack uses is free."""
+    for offset in range(2000, 9000, 137):
+        ports = [50051 + offset + i for i in range(20)] + [9451 + offset + i for i in range(20)]
+        if all(port_free(p) for p in ports):
+            return offset
+    raise RuntimeError("no free port range for the stack")
+
+
+@dataclass
+class RunningStack:
+    proc: subprocess.Popen[str]
+    gateway: str
+    offset: int
+    state_dir: Path
+    spans: Path
+    output: list[str] = field(default_factory=list)
+
+    def metrics_url(self, port: int) -> str:
+        return f"http://127.0.0.1:{port}/metrics"
+
+    def worker_metrics_port(self, slot: int) -> int:
+        return FIRST_WORKER_METRICS_PORT + self.offset + slot
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvmesh.cli", *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
+    state = tmp_path_factory.mktemp("stack")
+    offset = pick_offset()
+    gateway_port = 50051 + offset
+    spans = state / "spans.jsonl"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "up",
+            "--model",
+            str(tiny_llama_dir),
+            "--tier",
+            TIER,
+            "--port",
+            str(gateway_port),
+            "--port-offset",
+            str(offset),
+            "--state-dir",
+            str(state),
+            "--trace-file",
+            str(spans),
+            "--worker-arg=--num-kv-blocks=256",
+            "--worker-arg=--num-threads=1",
+        ],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    running = RunningStack(proc, f"127.0.0.1:{gateway_port}", offset, state, spans)
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            running.output.append(line)
+            if "gateway ready at" in line:
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(240) or proc.poll() is not None:
+        proc.kill()
+        pytest.fail("kvmesh up did not become ready:\n" + "".join(running.output[-60:]))
+    yield running
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def metric(samples: dict[Any, float], name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    return sum(
+        value
+        for (sample, sample_labels), value in samples.items()
+        if sample == name and set(labels.items()) <= set(sample_labels)
+    )
+
+
+def expected_tokens(model_dir: Path, prompt: str) -> list[int]:
+    from services.worker.engine import LLM, SamplingParams
+
+    [completion] = LLM(model=str(model_dir)).generate(
+        [prompt], SamplingParams(max_tokens=MAX_TOKENS)
+    )
+    return list(completion.token_ids)
+
+
+def test_cli_and_sdk_return_the_engines_tokens(stack: RunningStack, tiny_llama_dir: Path) -> None:
+    reply = stack.cli(
+        "generate", "--target", stack.gateway, "--json", "--max-tokens", str(MAX_TOKENS), PROMPT
+    )
+    assert reply.returncode == 0, reply.stderr
+    answer = json.loads(reply.stdout)
+    assert answer["token_ids"] == expected_tokens(tiny_llama_dir, PROMPT)
+    assert answer["model"] == TIER
+    other = "Paged attention stores"
+    with kvmesh.SyncClient(stack.gateway) as client:
+        result = client.generate(other, max_tokens=MAX_TOKENS, cache_policy="bypass")
+    assert result.token_ids == expected_tokens(tiny_llama_dir, other)
+    assert result.finish_reason in ("stop", "length")
+
+
+def test_metrics_move_by_the_right_amounts(stack: RunningStack) -> None:
+    gateway_url = stack.metrics_url(GATEWAY_METRICS_PORT + stack.offset)
+    decode_url = stack.metrics_url(stack.worker_metrics_port(1))
+    before_gateway, before_decode = scrape(gateway_url), scrape(decode_url)
+    with kvmesh.SyncClient(stack.gateway) as client:
+        result = client.generate(
+            "Continuous batching", max_tokens=MAX_TOKENS, ignore_eos=True, cache_policy="bypass"
+        )
+    assert len(result.token_ids) == MAX_TOKENS
+    after_gateway, after_decode = scrape(gateway_url), scrape(decode_url)
+
+    def moved(before: dict[Any, float], after: dict[Any, float], name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert moved(before_gateway, after_gateway, "kvmesh:request_success_total", model=TIER) == 1
+    completion = moved(
+        before_gateway, after_gateway, "kvmesh:tenant_tokens_total", kind="completion"
+    )
+    assert completion == MAX_TOKENS
+    prompt = moved(before_gateway, after_gateway, "kvmesh:tenant_tokens_total", kind="prompt")
+    assert prompt == result.usage.prompt_tokens
+    ttft = moved(before_gateway, after_gateway, "kvmesh:time_to_first_token_seconds_count")
+    assert ttft == 1
+    # The decode worker's Decode stream carries every token, the prefill's first one included.
+    decoded = moved(before_decode, after_decode, "kvmesh:generation_tokens_total", rpc="Decode")
+    assert decoded == MAX_TOKENS
+
+
+def load_spans(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_one_trace_per_request_across_all_five_processes(stack: RunningStack) -> None:
+    with kvmesh.SyncClient(stack.gateway) as client:
+        result = client.generate("Numbers: 0 1 2", max_tokens=MAX_TOKENS)  # a cache miss
+    time.sleep(1.0)  # server spans end as their RPCs close
+    spans = load_spans(stack.spans)
+    traces = {
+        s["context"]["trace_id"]
+        for s in spans
+        if s["attributes"].get("kvmesh.request_id") == result.request_id
+    }
+    assert len(traces) == 1, f"request {result.request_id} spread over {len(traces)} traces"
+    trace = [s for s in spans if s["context"]["trace_id"] in traces]
+    processes: dict[str, set[str]] = defaultdict(set)
+    for span in trace:
+        resource = span["resource"]["attributes"]
+        processes[resource["service.name"]].add(resource["service.instance.id"])
+    assert set(processes) == {"admission", "cache", "router", "worker"}
+    assert len(processes["worker"]) == 2, "the prefill and the decode worker both report"
+    ids = {s["context"]["span_id"] for s in trace}
+    roots = [s for s in trace if not s.get("parent_id")]
+    assert len(roots) == 1 and roots[0]["name"] == "/kvmesh.v1.Gateway/Generate"
+    assert all(s["parent_id"] in ids for s in trace if s.get("parent_id"))
+    names = {s["name"] for s in trace}
+    assert {"/kvmesh.v1.Worker/Prefill", "/kvmesh.v1.Worker/PullKv"} <= names
+    generation = next(s for s in trace if "gen_ai.usage.output_tokens" in s["attributes"])
+    assert generation["attributes"]["gen_ai.request.model"] == TIER
+
+
+async def stream_tokens(
+    target: str, max_tokens: int, started: asyncio.Event
+) -> kvmesh.client.GenerationResult:
+    async with kvmesh.Client(target) as client:
+        stream = client.stream(
+            "Unicode: café", max_tokens=max_tokens, ignore_eos=True, cache_policy="bypass"
+        )
+        async with stream:
+            async for _ in stream:
+                started.set()
+            return stream.result
+
+
+async def concurrent_streams(target: str, count: int, max_tokens: int) -> list[Any]:
+    started = asyncio.Event()
+    tasks = [asyncio.create_task(stream_tokens(target, max_tokens, started)) for _ in range(count)]
+    return await asyncio.gather(*tasks)
+
+
+def test_scale_up_adds_a_decode_worker_that_serves(stack: RunningStack) -> None:
+    reply = stack.cli("scale", "decode", "+1", "--state-dir", str(stack.state_dir), timeout=180)
+    assert reply.returncode == 0, reply.stdout + reply.stderr
+    new_address = f"127.0.0.1:{FIRST_WORKER_PORT + stack.offset + 2}"
+    assert new_address in reply.stdout
+    new_metrics = stack.metrics_url(stack.worker_metrics_port(2))
+    before = metric(scrape(new_metrics), "kvmesh:generation_tokens_total")
+    results = asyncio.run(concurrent_streams(stack.gateway, count=4, max_tokens=MAX_TOKENS))
+    assert all(len(r.token_ids) == MAX_TOKENS for r in results)
+    assert metric(scrape(new_metrics), "kvmesh:generation_tokens_total") > before
+
+
+def test_draining_a_worker_lets_its_in_flight_requests_finish(stack: RunningStack) -> None:
+    max_tokens = 160
+
+    async def drain_during_streams() -> list[Any]:
+        started = asyncio.Event()
+        tasks = [
+            asyncio.create_task(stream_tokens(stack.gateway, max_tokens, started)) for _ in range(4)
+        ]
+        await asyncio.wait_for(started.wait(), 60)
+        drained = await asyncio.to_thread(
+            stack.cli, "scale", "decode", "-1", "--state-dir", str(stack.state_dir)
+        )
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(drain_during_streams())
+    assert [len(r.token_ids) for r in results] == [max_tokens] * 4
+    assert {r.finish_reason for r in results} == {"length"}
+    assert any(str(FIRST_WORKER_PORT + stack.offset + 2) in r.placement_reason for r in results), (
+        "no request ran on the drained worker"
+    )
+
+
+def test_ctrl_c_stops_every_process(stack: RunningStack) -> None:
+    children = subprocess.run(
+        ["ps", "-o", "pid=", "--ppid", str(stack.proc.pid)], capture_output=True, text=True
+    ).stdout.split()
+    assert len(children) == 5  # cache, prefill-0, decode-0, router, gateway (decode-1 drained)
+    stack.proc.send_signal(signal.SIGINT)
+    assert stack.proc.wait(timeout=90) == 0
+    for pid in map(int, children):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
