@@ -82,6 +82,8 @@ class _Load:
     kv_cache_usage: float = 0.0
     prefix_queries_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # Prompt tokens whose KV the connector loaded (imported) instead of vLLM computing them.
+    kv_loaded_tokens: int = 0
     recent_tokens: deque[tuple[float, int]] = field(default_factory=deque)
 
     def tokens_per_second(self) -> float:
@@ -110,6 +112,8 @@ class _LoadRecorder(StatLoggerBase):
             self._load.kv_cache_usage = scheduler_stats.kv_cache_usage
             self._load.prefix_queries_tokens += scheduler_stats.prefix_cache_stats.queries
             self._load.prefix_hit_tokens += scheduler_stats.prefix_cache_stats.hits
+            if scheduler_stats.connector_prefix_cache_stats is not None:
+                self._load.kv_loaded_tokens += scheduler_stats.connector_prefix_cache_stats.hits
         if iteration_stats is not None and iteration_stats.num_generation_tokens:
             self._load.recent_tokens.append(
                 (time.monotonic(), iteration_stats.num_generation_tokens)
@@ -244,6 +248,16 @@ class VllmEngine:
         if self._llm is None:
             raise RuntimeError("VllmEngine is not running: await start() first")
         return self._llm
+
+    @property
+    def kv_loaded_tokens(self) -> int:
+        """Prompt tokens imported through the connector so far (vLLM computed none of them)."""
+        return self._load.kv_loaded_tokens
+
+    @property
+    def num_entries(self) -> int:
+        """Entries on disk: held leases and imports in progress (0 when nothing is held)."""
+        return len(self._files.keys())
 
     def stats(self) -> EngineStats:
         load = self._load
