@@ -81,13 +81,13 @@ class WorkerMonitor:
                 )
 
     def start(self) -> None:
-        """Starts the refresh loop."""
+        """Starts the refresh loop (its first round after one interval; see check_all)."""
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         while True:
-            await self.check_all()
             await asyncio.sleep(self.interval_s)
+            await self.check_all()
 
     async def stop(self) -> None:
         """Stops the loop."""

@@ -117,8 +117,13 @@ class Orchestrator:
         request: common_pb2.InferenceRequest,
         deadline: float | None,
         cancelled: asyncio.Event,
+        live: set[Coalescer[common_pb2.GenerateEvent]],
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
-        """Started, TokenChunk*, Finished for one request (errors as KvmeshError)."""
+        """Started, TokenChunk*, Finished for one request (errors as KvmeshError).
+
+        The attempt in progress is kept in `live`, so that the caller can stop it (closing
+        it cancels the downstream calls) even if this generator is never resumed.
+        """
         arrived = time.monotonic()
         span = trace.get_current_span()
         if not request.prompt_token_ids:
@@ -132,6 +137,7 @@ class Orchestrator:
             attempt = _Attempt(plan)
             downstream = _downstream_request(request, plan.tier, request_id, number)
             events = Coalescer(self._attempt_events(attempt, downstream, deadline))
+            live.add(events)
             try:
                 first = await run_unless_cancelled(anext(events, None), cancelled)
                 if first is None and not cancelled.is_set():
@@ -272,6 +278,8 @@ class Orchestrator:
         call = self.peers.worker(address).Generate(timeout=_time_left(deadline))
         try:
             await call.write(worker_pb2.WorkerGenerateMessage(request=request))
+            # The router stops a worker by cancelling the call, never by a Cancel message.
+            await call.done_writing()
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as error:
@@ -288,13 +296,22 @@ class Orchestrator:
         plan = attempt.plan
         assert plan.decode is not None
         prefill_address, decode_address = plan.prefill.address, plan.decode.address
-        try:
-            prefilled = await self.peers.worker(prefill_address).Prefill(
+        prefill = asyncio.ensure_future(
+            self.peers.worker(prefill_address).Prefill(
                 worker_pb2.PrefillRequest(request=request, lease_ttl_ms=self.lease_ttl_ms),
                 timeout=_time_left(deadline),
             )
+        )
+        try:
+            # Shielded: a Prefill cancelled in flight may still grant a lease whose id then
+            # never arrives. If the caller goes away, the prefill (one prompt) completes and
+            # its lease is released at once instead of holding blocks until its TTL.
+            prefilled = await asyncio.shield(prefill)
         except grpc.aio.AioRpcError as error:
             raise _worker_error(error, "Prefill", prefill_address) from None
+        except asyncio.CancelledError:
+            self._spawn(self._release_granted(prefill_address, prefill))
+            raise
         attempt.cached_prompt_tokens = prefilled.cached_prompt_tokens
         if prefilled.HasField("finished"):
             # The first token already ended the request: nothing to decode, no lease.
@@ -311,6 +328,7 @@ class Orchestrator:
                     )
                 )
             )
+            await call.done_writing()
             async for event in call:
                 decoding = True
                 yield event
@@ -320,6 +338,17 @@ class Orchestrator:
             call.cancel()
             if not decoding:
                 self._spawn(self._release(prefill_address, prefilled.lease.lease_id))
+
+    async def _release_granted(
+        self, address: str, prefill: asyncio.Future[worker_pb2.PrefillResponse]
+    ) -> None:
+        """Releases the lease of a Prefill whose caller went away, once it is granted."""
+        try:
+            prefilled = await prefill
+        except grpc.aio.AioRpcError:
+            return  # the prefill failed: nothing is held
+        if prefilled.HasField("lease"):
+            await self._release(address, prefilled.lease.lease_id)
 
     async def _release(self, address: str, lease_id: str) -> None:
         """Ends a lease whose decode never started; its TTL covers the case this fails."""

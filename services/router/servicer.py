@@ -8,8 +8,10 @@ far (see orchestrator.py).
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import grpc
 
@@ -20,7 +22,7 @@ from services.router.monitor import WorkerMonitor
 from services.router.orchestrator import Orchestrator
 from services.router.pools import PoolRegistry, Role, WorkerState
 from services.router.scaling import ScalingPolicy, WorkerLoad, recommended_replicas
-from services.streams import CancelWatch, first_message
+from services.streams import CancelWatch, Coalescer, first_message
 
 _tracer = tracer(__name__)
 
@@ -45,6 +47,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.orchestrator = orchestrator
         self.monitor = monitor
         self.scaling = scaling or ScalingPolicy()
+        self._background: set[asyncio.Task[None]] = set()
 
     async def Generate(
         self,
@@ -59,6 +62,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         deadline = None if remaining is None else time.monotonic() + remaining
         watch = CancelWatch(request_iterator, _cancel_reason)
         watch.start()
+        # gRPC may drop a handler whose caller went away without resuming it: the end of the
+        # RPC itself stops the downstream calls.
+        live: set[Coalescer[common_pb2.GenerateEvent]] = set()
+        context.add_done_callback(lambda _: self._spawn(_close_all(live)))
         with _tracer.start_as_current_span("router.generate") as span:
             span.set_attributes(
                 {
@@ -68,10 +75,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 }
             )
             try:
-                async for event in self.orchestrator.run(request, deadline, watch.cancelled):
+                async for event in self.orchestrator.run(request, deadline, watch.cancelled, live):
                     yield event
             finally:
                 await watch.close()
+                await _close_all(live)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -132,6 +145,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     )
                 )
         return router_pb2.RouterStatusResponse(pools=pools)
+
+
+async def _close_all(live: set[Coalescer[common_pb2.GenerateEvent]]) -> None:
+    """Closes a request's attempts (idempotent: a closed attempt closes again as a no-op)."""
+    for events in list(live):
+        await events.aclose()
+        live.discard(events)
 
 
 def _worker_status(worker: WorkerState) -> router_pb2.WorkerStatus:

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -69,13 +69,18 @@ def _cancel_reason(
 
 
 @dataclass(slots=True)
-class _Progress:
-    """What a stream has sent so far, for the Finished event of an aborted stream."""
+class _StreamState:
+    """One generation stream: what it has sent, and what must be undone if it stops early."""
 
+    request_id: str
     prompt_tokens: int
+    finished: bool = False
+    """The engine finished the request (or it was already stopped and its blocks freed)."""
+    import_plan: ImportPlan | None = None
+    """The decode's import, cancelled if the stream stops before its commit ran."""
     cached_prompt_tokens: int = 0
     output_tokens: int = 0
-    started: float = 0.0
+    started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_sent_at: float | None = None
 
@@ -116,7 +121,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._address = address
         self.layout = layout_proto(engine.layout)
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[object]] = set()
 
     # ---- colocated ------------------------------------------------------------------------
 
@@ -132,14 +137,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request = engine_request(first.request, context.time_remaining())
         watch = CancelWatch(request_iterator, _cancel_reason)
         watch.start()
-        progress = _Progress(prompt_tokens=len(request.prompt_token_ids), started=time.monotonic())
+        state = self._track(request, context)
         try:
             async for event in self._stream(
-                "Generate",
-                request.request_id,
-                self.engine.generate(request),
-                watch.cancelled,
-                progress,
+                "Generate", self.engine.generate(request), watch.cancelled, state
             ):
                 yield event
         finally:
@@ -171,7 +172,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         metrics.LEASES.labels("granted").inc()
         metrics.LEASES_ACTIVE.set(len(self.leases))
         response.lease.CopyFrom(self._lease_proto(lease))
+        context.add_done_callback(lambda ended: self._drop_if_undelivered(ended, lease))
         return response
+
+    def _drop_if_undelivered(self, context: grpc.aio.ServicerContext, lease: Lease) -> None:
+        """A lease whose Prefill response never reached the caller is released at once."""
+        if not context.cancelled():
+            return
+        with contextlib.suppress(NotFound):
+            self._spawn(self.release_lease(self.leases.take(lease.lease_id)))
+            metrics.LEASES.labels("released").inc()
 
     def _lease_proto(self, lease: Lease) -> common_pb2.KvLease:
         return common_pb2.KvLease(
@@ -254,11 +264,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         check_compatible(
             self.engine.fingerprint, self.layout, lease.model_fingerprint, lease.layout
         )
-        progress = _Progress(prompt_tokens=len(request.prompt_token_ids), started=time.monotonic())
+        state = self._track(request, context)
         watch = CancelWatch(request_iterator, _cancel_reason)
         watch.start()
         try:
-            plan = await self._start_import(request, lease)
+            plan = state.import_plan = await self._start_import(request, lease)
             try:
                 pulled = await run_unless_cancelled(
                     self._pull_missing(plan, lease, context.time_remaining()), watch.cancelled
@@ -268,29 +278,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise
             if pulled is None:
                 await self.engine.cancel_import(plan)
-                yield common_pb2.GenerateEvent(finished=progress.aborted())
+                state.finished = True
+                yield common_pb2.GenerateEvent(finished=state.aborted())
                 return
-            kv_transfer_ms = (time.monotonic() - progress.started) * 1000
+            kv_transfer_ms = (time.monotonic() - state.started) * 1000
             self._spawn(self._release_remote(lease))
             async for event in self._stream(
                 "Decode",
-                request.request_id,
                 self.engine.commit_import(plan, start.first_token.token_ids[0]),
                 watch.cancelled,
-                progress,
+                state,
                 kv_transfer_ms,
                 lead=start.first_token,
-                uncommitted=plan,
             ):
                 yield event
         finally:
             await watch.close()
 
     async def _start_import(self, request: EngineRequest, lease: common_pb2.KvLease) -> ImportPlan:
+        task = asyncio.ensure_future(
+            self.engine.start_import(request, list(lease.block_hashes), lease.num_tokens)
+        )
         try:
-            return await self.engine.start_import(
-                request, list(lease.block_hashes), lease.num_tokens
-            )
+            # Shielded: if this RPC is cancelled meanwhile, an import the engine still makes
+            # is cancelled once it exists, instead of holding its blocks for good.
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._cancel_orphan_import)
+            raise
         except KvCapacityError as error:
             raise ResourceExhausted(f"decode worker KV cache is full: {error}") from None
         except ValueError as error:
@@ -355,26 +370,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _stream(
         self,
         rpc: str,
-        request_id: str,
         outputs: AsyncIterator[RequestOutput],
         cancelled: asyncio.Event,
-        progress: _Progress,
+        state: _StreamState,
         kv_transfer_ms: float = 0.0,
         lead: common_pb2.TokenChunk | None = None,
-        uncommitted: ImportPlan | None = None,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
         """`lead` (if any), coalesced chunks, then Finished.
 
         A Cancel, a broken stream or an engine stream that ends without a finish reason stops
-        the request and frees its blocks: the engine iterator is closed (an abort), the abort
-        is also sent explicitly, and `uncommitted` (an import whose commit may never have run
-        because the stream stopped first) is cancelled if it is still pending.
+        the request and frees its blocks (see `_stop`).
         """
         batches = Coalescer(outputs)
-        done = False
         try:
             if lead is not None:
-                self._observe_chunk(rpc, progress, len(lead.token_ids))
+                self._observe_chunk(rpc, state, len(lead.token_ids))
                 yield common_pb2.GenerateEvent(chunk=lead)
             while True:
                 with _engine_errors():
@@ -382,54 +392,71 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if batch is None:
                     # Cancelled, or the engine ended the stream without a finish reason.
                     self._count_finished(rpc, FinishReason.ABORT)
-                    yield common_pb2.GenerateEvent(finished=progress.aborted(kv_transfer_ms))
+                    await self._stop(state)
+                    yield common_pb2.GenerateEvent(finished=state.aborted(kv_transfer_ms))
                     return
                 chunk = token_chunk(batch)
                 last = batch[-1]
-                progress.cached_prompt_tokens = last.num_cached_prompt_tokens
+                state.cached_prompt_tokens = last.num_cached_prompt_tokens
                 if chunk.token_ids:
-                    self._observe_chunk(rpc, progress, len(chunk.token_ids))
+                    self._observe_chunk(rpc, state, len(chunk.token_ids))
                     yield common_pb2.GenerateEvent(chunk=chunk)
                 if last.finish_reason is not None:
-                    done = True
+                    state.finished = True
                     self._count_finished(rpc, last.finish_reason)
                     yield common_pb2.GenerateEvent(
                         finished=finished(
                             last,
                             kv_transfer_ms=kv_transfer_ms,
-                            ttft_ms=progress.ttft_ms,
-                            e2e_ms=(time.monotonic() - progress.started) * 1000,
+                            ttft_ms=state.ttft_ms,
+                            e2e_ms=(time.monotonic() - state.started) * 1000,
                         )
                     )
                     return
         finally:
             await batches.aclose()
-            if not done:
-                await self._stop(request_id, uncommitted)
+            await self._stop(state)
 
-    async def _stop(self, request_id: str, uncommitted: ImportPlan | None) -> None:
+    def _track(self, request: EngineRequest, context: grpc.aio.ServicerContext) -> _StreamState:
+        """State of a new stream; when the RPC ends unfinished, its request is stopped.
+
+        gRPC may drop a handler whose client went away without resuming it, so the cleanup is
+        tied to the end of the RPC as well as to the handler's own exit.
+        """
+        state = _StreamState(request.request_id, len(request.prompt_token_ids))
+        context.add_done_callback(lambda _: self._spawn(self._stop(state)))
+        return state
+
+    async def _stop(self, state: _StreamState) -> None:
         """Aborts a request that did not finish; frees an import that was never committed.
 
         Engine commands run in order, so the abort follows any commit still queued; the
-        cancel_import then fails harmlessly when the commit did run.
+        cancel_import then fails harmlessly when the commit did run. Safe to repeat.
         """
-        await self.engine.abort(request_id)
-        if uncommitted is not None:
+        if state.finished:
+            return
+        state.finished = True
+        await self.engine.abort(state.request_id)
+        if state.import_plan is not None:
             with contextlib.suppress(KeyError):
-                await self.engine.cancel_import(uncommitted)
+                await self.engine.cancel_import(state.import_plan)
+
+    def _cancel_orphan_import(self, task: asyncio.Future[ImportPlan]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._spawn(self.engine.cancel_import(task.result()))
 
     @staticmethod
-    def _observe_chunk(rpc: str, progress: _Progress, num_tokens: int) -> None:
+    def _observe_chunk(rpc: str, state: _StreamState, num_tokens: int) -> None:
         now = time.monotonic()
-        if progress.first_token_at is None:
-            progress.first_token_at = now
-            metrics.REQUEST_PREFILL_SECONDS.labels(rpc).observe(now - progress.started)
-        elif progress.last_sent_at is not None:
-            gap = (now - progress.last_sent_at) / num_tokens
+        if state.first_token_at is None:
+            state.first_token_at = now
+            metrics.REQUEST_PREFILL_SECONDS.labels(rpc).observe(now - state.started)
+        elif state.last_sent_at is not None:
+            gap = (now - state.last_sent_at) / num_tokens
             for _ in range(num_tokens):
                 metrics.INTER_TOKEN_LATENCY.labels(rpc).observe(gap)
-        progress.last_sent_at = now
-        progress.output_tokens += num_tokens
+        state.last_sent_at = now
+        state.output_tokens += num_tokens
         metrics.GENERATION_TOKENS.labels(rpc).inc(num_tokens)
 
     @staticmethod
@@ -485,7 +512,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await channel.close()
         self._channels.clear()
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
         task = asyncio.ensure_future(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
