@@ -44,11 +44,12 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[..., blocks] block ids -> [..., kv_heads, blocks * block_size, dim] (a view for SDPA)."""
-    gathered = cache[block_tables]  # [..., blocks, block_size, kv_heads, dim]
-    shape = gathered.shape
-    flat = gathered.view(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
-    return flat.transpose(-3, -2)
+    """[rows, blocks] block ids -> [rows, kv_heads, blocks * block_size, dim] (a strided view,
+    which SDPA takes as is). index_select copies whole blocks (faster than advanced indexing)."""
+    rows, blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    gathered = torch.index_select(cache, 0, block_tables.reshape(-1))
+    return gathered.view(rows, blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
 def paged_attention(
@@ -75,8 +76,9 @@ def paged_attention(
             values = v[rows].transpose(0, 1).unsqueeze(0)
         else:
             context = span.mask.shape[-1]
-            keys = gather_context(kv_cache[0], span.block_table)[..., :context, :].unsqueeze(0)
-            values = gather_context(kv_cache[1], span.block_table)[..., :context, :].unsqueeze(0)
+            table = span.block_table.unsqueeze(0)
+            keys = gather_context(kv_cache[0], table)[:, :, :context]
+            values = gather_context(kv_cache[1], table)[:, :, :context]
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True
         )

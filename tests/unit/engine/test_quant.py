@@ -31,8 +31,10 @@ def test_per_channel_quantization_error_is_within_half_a_step() -> None:
     q, scale = quantize_per_channel(weight)
     assert q.dtype == torch.int8 and scale.shape == (48,)
     assert int(q.abs().max()) == 127
+    assert torch.equal(scale.to(torch.bfloat16).float(), scale)
     error = (q.float() * scale[:, None] - weight).abs()
-    assert bool((error <= scale[:, None] / 2 + 1e-7).all())
+    # Half a step, plus what rounding the scale to bf16 can push the largest entry past 127.
+    assert bool((error <= scale[:, None] * 0.51).all())
 
 
 def test_int8_linear_matches_float_matmul_of_dequantized_weight() -> None:
@@ -48,6 +50,8 @@ def test_int8_linear_matches_float_matmul_of_dequantized_weight() -> None:
     assert got.dtype == torch.float32 and got.shape == (5, 96)
     # Activations pass through bf16 (8 mantissa bits) for the fast kernel.
     torch.testing.assert_close(got, expected, atol=0.1, rtol=2e-2)
+    quantized.packed_kernel = False  # the dequantizing path other devices take
+    torch.testing.assert_close(quantized(x), expected, atol=1e-4, rtol=1e-5)
 
 
 def test_int8_greedy_agreement_with_fp32(

@@ -210,10 +210,11 @@ class LlamaLayer(nn.Module):
         k = rotated[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         attn = paged_attention(q, k, v, kv_cache, batch)
-        hidden = hidden + self.o_proj(attn.view(tokens, -1))
+        hidden.add_(self.o_proj(attn.reshape(tokens, -1)))
         x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attention_norm, self.eps)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        # In place: the gate/up activations are this layer's largest temporaries.
+        return hidden.add_(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
 
 
 class LlamaModel(nn.Module):
