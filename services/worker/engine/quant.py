@@ -39,6 +39,7 @@ class Int8Linear(nn.Module):
     scales: torch.Tensor
     in_features: int
     out_features: int
+    packed_kernel: bool  # torch has _weight_int8pack_mm for this device
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
