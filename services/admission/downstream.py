@@ -74,7 +74,7 @@ class RouterStream:
         timeout_s: float | None,
         cancel_grace_s: float,
     ) -> None:
-        self._outbox: asyncio.Queue[router_pb2.RouteMessage] = asyncio.Queue()
+        self._outbox: asyncio.Queue[router_pb2.RouteMessage | None] = asyncio.Queue()
         self._outbox.put_nowait(router_pb2.RouteMessage(request=request))
         self._call = stub.Generate(self._messages(), timeout=timeout_s)
         self._cancel_grace_s = cancel_grace_s
@@ -82,9 +82,10 @@ class RouterStream:
         self._cut = False
 
     async def _messages(self) -> AsyncIterator[router_pb2.RouteMessage]:
-        # Stays open after the request: closing our side would not mean "cancel" to the router.
-        while True:
-            yield await self._outbox.get()
+        # Stays open after the request (closing our side would not mean "cancel" to the
+        # router) until close() puts None: gRPC's task reading it must end with the call.
+        while (message := await self._outbox.get()) is not None:
+            yield message
 
     async def events(self) -> AsyncIterator[common_pb2.GenerateEvent]:
         """The router's events; ends early (without Finished) when the call was cut."""
@@ -121,6 +122,7 @@ class RouterStream:
         if self._cut_timer is not None:
             self._cut_timer.cancel()
         self.cut()
+        self._outbox.put_nowait(None)
 
 
 class CacheClient:
