@@ -56,8 +56,12 @@ from services.streams import run_unless_cancelled
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 
-DEADLINE_MARGIN_S = 0.25
+DEADLINE_MARGIN_S = 0.5
 """Most time kept back from the caller's deadline to send the partial answer before it."""
+DEADLINE_MARGIN_FRACTION = 0.2
+"""Share of the caller's time kept back, up to DEADLINE_MARGIN_S."""
+INLINE_TOKENIZE_CHARS = 4096
+"""Longer prompts are tokenized on a thread so they do not stall other requests."""
 
 _PROTO_PRIORITY = {
     PriorityClass.INTERACTIVE: common_pb2.PRIORITY_INTERACTIVE,
@@ -167,7 +171,10 @@ class Gateway:
         priority = envelope.priority if envelope.priority is not None else tenant.highest_priority
         authorize_priority(tenant, priority)
         tokenizer = await self.catalog.tokenizer(model)
-        prompt_ids = prompt_token_ids(request.prompt, tokenizer, model)
+        if _prompt_chars(request.prompt) > INLINE_TOKENIZE_CHARS:
+            prompt_ids = await asyncio.to_thread(prompt_token_ids, request.prompt, tokenizer, model)
+        else:
+            prompt_ids = prompt_token_ids(request.prompt, tokenizer, model)
         sampling = checked_sampling(
             request.sampling,
             prompt_tokens=len(prompt_ids),
@@ -495,11 +502,17 @@ class Gateway:
             await asyncio.gather(*self._background, return_exceptions=True)
 
 
+def _prompt_chars(prompt: common_pb2.Prompt) -> int:
+    if prompt.WhichOneof("input") == "text":
+        return len(prompt.text)
+    return sum(len(m.content) for m in prompt.chat.messages)
+
+
 def _stop_at(arrived: float, time_remaining_s: float | None) -> float | None:
     """When to stop so the partial answer reaches the client before its deadline."""
     if time_remaining_s is None:
         return None
-    margin = min(DEADLINE_MARGIN_S, 0.1 * time_remaining_s)
+    margin = min(DEADLINE_MARGIN_S, DEADLINE_MARGIN_FRACTION * time_remaining_s)
     return arrived + time_remaining_s - margin
 
 

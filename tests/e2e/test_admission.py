@@ -423,9 +423,9 @@ async def test_interactive_goes_first_and_a_full_queue_sheds(mesh: Mesh) -> None
             assert full.value.retry_after_s is not None and full.value.retry_after_s > 0
             started = time.monotonic()
             with pytest.raises(ResourceExhausted, match="exceeds the request's deadline") as late:
-                await client.generate("hurry", max_tokens=5, deadline_s=0.2)
-            assert time.monotonic() - started < 0.2
-            assert late.value.retry_after_s is not None and late.value.retry_after_s > 0.2
+                await client.generate("hurry", max_tokens=5, deadline_s=0.5)
+            assert time.monotonic() - started < 0.5
+            assert late.value.retry_after_s is not None and late.value.retry_after_s > 0.5
             assert not holder.done(), "the slot holder ended before the checks: too fast"
             await asyncio.gather(holder, interactive, *flood)
         assert finished[:2] == ["b0", "i"], finished
@@ -440,9 +440,9 @@ async def test_a_short_deadline_returns_partial_text_with_deadline(mesh: Mesh) -
     async with mesh.client() as alice:
         started = time.monotonic()
         result = await alice.generate(
-            LONG_PROMPT, max_tokens=480, ignore_eos=True, deadline_s=0.6, cache_policy="bypass"
+            LONG_PROMPT, max_tokens=480, ignore_eos=True, deadline_s=0.8, cache_policy="bypass"
         )
-    assert time.monotonic() - started < 0.6
+    assert time.monotonic() - started < 0.8
     assert result.finish_reason == "deadline"
     assert 0 < len(result.token_ids) < 480 and result.text
     assert result.usage.completion_tokens == len(result.token_ids)
