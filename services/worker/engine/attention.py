@@ -3,7 +3,8 @@
 The batch's tokens are laid out decode entries first (one token each), then each prefill
 chunk as a contiguous run of rows. Decodes are attended in one padded, masked SDPA call; each
 prefill chunk gets its own call (its queries would make a padded batch mostly padding).
-Per-layer KV cache: one tensor [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
+Everything that does not change from layer to layer (flat block ids, masks, cache views) is
+built once per step or once per runner, to keep the per-layer Python work small.
 """
 
 from __future__ import annotations
@@ -14,14 +15,30 @@ import torch
 import torch.nn.functional as F
 
 
+@dataclass(slots=True, frozen=True)
+class LayerKvCache:
+    """Views of one layer's slice of the KV cache tensor."""
+
+    key_blocks: torch.Tensor  # [num_blocks, block_size, kv_heads, dim]
+    value_blocks: torch.Tensor
+    key_slots: torch.Tensor  # the same memory as [num_blocks * block_size, kv_heads, dim]
+    value_slots: torch.Tensor
+
+    @classmethod
+    def of(cls, layer_kv: torch.Tensor) -> LayerKvCache:
+        """layer_kv: [2 (K, V), num_blocks, block_size, kv_heads, dim], contiguous."""
+        keys, values = layer_kv[0], layer_kv[1]
+        slot_shape = (-1, *keys.shape[2:])
+        return cls(keys, values, keys.view(slot_shape), values.view(slot_shape))
+
+
 @dataclass(slots=True)
 class PrefillSpan:
     """One prefill chunk: rows [row_start, row_end) of the batch."""
 
     row_start: int
     row_end: int
-    start_pos: int  # tokens of the sequence already cached before this chunk
-    block_table: torch.Tensor  # [blocks covering start_pos + chunk length], long
+    block_ids: torch.Tensor  # [blocks covering the chunk's whole context], long
     # [chunk, context] True where attending is allowed; None when the chunk is the whole
     # context so far (start_pos == 0): plain causal attention over the fresh K/V.
     mask: torch.Tensor | None
@@ -31,39 +48,32 @@ class PrefillSpan:
 class AttentionBatch:
     slots: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of every token
     num_decode: int  # rows [0, num_decode) are single-token decode entries
-    decode_block_tables: torch.Tensor  # [num_decode, max_blocks], padded with block 0
-    decode_mask: torch.Tensor  # [num_decode, 1, 1, max_blocks * block_size] bool
+    # [num_decode * blocks]: the decode entries' tables, padded with block 0 to equal length
+    decode_block_ids: torch.Tensor
+    decode_mask: torch.Tensor  # [num_decode, 1, 1, blocks * block_size] bool
     prefills: list[PrefillSpan]
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store the batch's new K and V [T, kv_heads, dim] into their cache slots."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
-
-
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[rows, blocks] block ids -> [rows, kv_heads, blocks * block_size, dim] (a strided view,
-    which SDPA takes as is). index_select copies whole blocks (faster than advanced indexing)."""
-    rows, blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = torch.index_select(cache, 0, block_tables.reshape(-1))
-    return gathered.view(rows, blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+def gather_context(blocks: torch.Tensor, block_ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """Flat block ids of `rows` equal-length tables -> [rows, kv_heads, tokens, dim], a strided
+    view SDPA takes as is. index_select copies whole blocks (faster than advanced indexing)."""
+    gathered = torch.index_select(blocks, 0, block_ids)
+    return gathered.view(rows, -1, blocks.shape[2], blocks.shape[3]).transpose(1, 2)
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKvCache, batch: AttentionBatch
 ) -> torch.Tensor:
     """q [T, heads, dim], k/v [T, kv_heads, dim] (new tokens) -> attention output [T, heads, dim].
 
     Writes the new K/V into the cache first, so every query sees its own token."""
-    write_kv(kv_cache, k, v, batch.slots)
+    cache.key_slots.index_copy_(0, batch.slots, k)
+    cache.value_slots.index_copy_(0, batch.slots, v)
     outputs: list[torch.Tensor] = []
     if batch.num_decode:
         nd = batch.num_decode
-        keys = gather_context(kv_cache[0], batch.decode_block_tables)
-        values = gather_context(kv_cache[1], batch.decode_block_tables)
+        keys = gather_context(cache.key_blocks, batch.decode_block_ids, nd)
+        values = gather_context(cache.value_blocks, batch.decode_block_ids, nd)
         out = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), keys, values, attn_mask=batch.decode_mask, enable_gqa=True
         )
@@ -76,9 +86,8 @@ def paged_attention(
             values = v[rows].transpose(0, 1).unsqueeze(0)
         else:
             context = span.mask.shape[-1]
-            table = span.block_table.unsqueeze(0)
-            keys = gather_context(kv_cache[0], table)[:, :, :context]
-            values = gather_context(kv_cache[1], table)[:, :, :context]
+            keys = gather_context(cache.key_blocks, span.block_ids, 1)[:, :, :context]
+            values = gather_context(cache.value_blocks, span.block_ids, 1)[:, :, :context]
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True
         )

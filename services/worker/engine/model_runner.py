@@ -13,7 +13,7 @@ from itertools import accumulate, chain
 
 import torch
 
-from services.worker.engine.attention import AttentionBatch, PrefillSpan
+from services.worker.engine.attention import AttentionBatch, LayerKvCache, PrefillSpan
 from services.worker.engine.loader import LoadedModel
 from services.worker.engine.models.llama import ModelConfig
 
@@ -79,7 +79,7 @@ class ModelRunner:
             dtype=loaded.dtype,
             device=loaded.device,
         )
-        self._layer_caches = list(self.kv_cache.unbind(0))
+        self._layer_caches = [LayerKvCache.of(layer_kv) for layer_kv in self.kv_cache.unbind(0)]
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
@@ -176,7 +176,7 @@ class ModelRunner:
             attention=AttentionBatch(
                 slots=slots.to(device),
                 num_decode=num_decode,
-                decode_block_tables=tables[:num_decode, :decode_blocks].to(device),
+                decode_block_ids=tables[:num_decode, :decode_blocks].reshape(-1).to(device),
                 decode_mask=decode_mask.view(num_decode, 1, 1, decode_blocks * bs).to(device),
                 prefills=prefills,
             ),
@@ -194,8 +194,6 @@ class ModelRunner:
         return PrefillSpan(
             row_start=row_start,
             row_end=row_end,
-            start_pos=entry.start_pos,
-            block_table=table[: math.ceil(context / self.block_size)].to(self.device),
+            block_ids=table[: math.ceil(context / self.block_size)].to(self.device),
             mask=mask,
         )
-

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine.attention import AttentionBatch, paged_attention
+from services.worker.engine.attention import AttentionBatch, LayerKvCache, paged_attention
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -198,10 +198,10 @@ class LlamaLayer(nn.Module):
         hidden: torch.Tensor,
         cos: torch.Tensor,
         sin_signed: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKvCache,
         batch: AttentionBatch,
     ) -> torch.Tensor:
-        """hidden [T, hidden_size] -> the layer's output; kv_cache [2, blocks, block, kv, dim]."""
+        """hidden [T, hidden_size] -> the layer's output (computed in place into `hidden`)."""
         tokens = hidden.shape[0]
         x = F.rms_norm(hidden, (hidden.shape[-1],), self.input_norm, self.eps)
         qkv = self.qkv_proj(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -238,7 +238,7 @@ class LlamaModel(nn.Module):
         self,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[LayerKvCache],
         batch: AttentionBatch,
     ) -> torch.Tensor:
         """Hidden states [T, hidden_size] after the last layer (before the final norm)."""
