@@ -1,0 +1,147 @@
+"""Workers and router as real processes: a worker killed during the hand-off or mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.procs import ServiceProcess, start_service
+from tests.service.worker_mesh import GREEDY, all_idle, offline, request, worker_args
+
+PROMPT = list(range(20, 220))  # 200 tokens: 13 blocks, about 106 kB of KV
+KV_SEND_MB_S = "0.1"  # each prefill worker sends KV at 100 kB/s: a pull lasts about a second
+LEASE_TTL_S = "1"
+SENT = re.compile(r'^kvmesh:kv_transfer_bytes_total\{direction="sent"\} (\S+)$', re.MULTILINE)
+
+
+@dataclass
+class Stack:
+    prefill: list[ServiceProcess]
+    decode: ServiceProcess
+    router: ServiceProcess
+
+    def all(self) -> list[ServiceProcess]:
+        return [*self.prefill, self.decode, self.router]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    prefill_args = worker_args(tiny_llama_dir, "prefill", "--kv-send-max-mb-s", KV_SEND_MB_S)
+    prefill_args += ["--lease-ttl-s", LEASE_TTL_S, "--metrics-port", "0"]
+    plans = [prefill_args, prefill_args, worker_args(tiny_llama_dir, "decode")]
+    with ThreadPoolExecutor(len(plans)) as pool:
+        workers = list(pool.map(lambda args: start_service("services.worker", args), plans))
+    pools = tmp_path_factory.mktemp("router") / "pools.yaml"
+    pools.write_text(
+        yaml.safe_dump(
+            {
+                "tiers": [
+                    {
+                        "name": "tiny",
+                        "prefill": [w.address for w in workers[:2]],
+                        "decode": [workers[2].address],
+                    }
+                ]
+            }
+        )
+    )
+    router_args = ["--config", str(pools), "--port", "0", "--metrics-port", "-1"]
+    router = start_service("services.router", [*router_args, "--refresh-interval-s", "0.2"])
+    started = Stack(prefill=workers[:2], decode=workers[2], router=router)
+    yield started
+    for process in started.all():
+        process.terminate()
+
+
+def _bytes_sent(process: ServiceProcess) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics") as reply:
+        found = SENT.search(reply.read().decode())
+    return float(found.group(1)) if found else 0.0
+
+
+async def _kill_when_sending(
+    candidates: list[ServiceProcess], baseline: list[float]
+) -> ServiceProcess:
+    """SIGKILLs the first worker seen sending KV (a PullKv in progress)."""
+    while True:
+        for process, before in zip(candidates, baseline, strict=True):
+            if await asyncio.to_thread(_bytes_sent, process) > before:
+                process.kill()
+                return process
+        await asyncio.sleep(0.02)
+
+
+async def test_prefill_killed_during_pull_is_reprefilled_on_the_other(
+    stack: Stack, tiny_llama_dir: Path
+) -> None:
+    (expected,) = offline(tiny_llama_dir, [PROMPT], GREEDY)
+    baseline = [_bytes_sent(p) for p in stack.prefill]
+    async with grpc.aio.insecure_channel(stack.router.address) as channel:
+        call = router_pb2_grpc.RouterStub(channel).Generate(timeout=60)
+        await call.write(router_pb2.RouteMessage(request=request("kill-p", PROMPT, model="tiny")))
+        killed = await _kill_when_sending(stack.prefill, baseline)
+        events = [event async for event in call]
+    survivor = next(p for p in stack.prefill if p is not killed)
+    placement = events[0].started.placement
+    assert placement.attempts == 2
+    assert placement.prefill_worker == survivor.address
+    assert f"retry after UNAVAILABLE on {killed.address}" in placement.reason
+    tokens = [t for e in events if e.WhichOneof("event") == "chunk" for t in e.chunk.token_ids]
+    assert tokens == expected
+    assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    async with (
+        grpc.aio.insecure_channel(survivor.address) as prefill,
+        grpc.aio.insecure_channel(stack.decode.address) as decode,
+    ):
+        stubs = [worker_pb2_grpc.WorkerStub(prefill), worker_pb2_grpc.WorkerStub(decode)]
+        assert await all_idle(stubs)
+
+
+async def test_decode_killed_mid_stream_is_unavailable_and_the_lease_is_freed(
+    stack: Stack,
+) -> None:
+    long_output = common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
+    prompt = PROMPT[:20]
+    async with grpc.aio.insecure_channel(stack.router.address) as channel:
+        call = router_pb2_grpc.RouterStub(channel).Generate(timeout=60)
+        await call.write(
+            router_pb2.RouteMessage(request=request("kill-d", prompt, long_output, model="tiny"))
+        )
+        received = 0
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for event in call:
+                received += len(event.chunk.token_ids)
+                if received and stack.decode.proc.poll() is None:
+                    stack.decode.kill()
+                    killed_at = time.monotonic()
+    assert time.monotonic() - killed_at < 2.0
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = raised.value.details() or ""
+    assert "not re-run" in details
+    used = re.search(r"usage so far: prompt_tokens=(\d+) .* completion_tokens=(\d+)", details)
+    assert used is not None
+    assert int(used.group(1)) == len(prompt)
+    assert received <= int(used.group(2)) < 400
+
+    live = [p for p in stack.prefill if p.proc.poll() is None]
+    channels = [grpc.aio.insecure_channel(p.address) for p in live]
+    try:
+        stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
+        # Every lease ends (pulled and released, or freed by its 1 s TTL); no block stays.
+        assert await all_idle(stubs, within=float(LEASE_TTL_S) + 2.0)
+        stats = [await s.Stats(worker_pb2.StatsRequest()) for s in stubs]
+        assert all(s.active_leases == 0 for s in stats)
+    finally:
+        for channel in channels:
+            await channel.close()
