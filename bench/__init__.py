@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m bench.<name>`; results in bench/results and BENCHMARKS.md."""
