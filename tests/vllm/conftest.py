@@ -51,5 +51,6 @@ def tiny_llama32_dir(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFact
     config.intermediate_size = 256
     config.head_dim = 32
     torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.float32).save_pretrained(out)
+    model = LlamaForCausalLM(config)  # float32
+    model.save_pretrained(out)
     return out

@@ -1,11 +1,12 @@
 """Byte order of vLLM's KV blocks on the wire, and copying blocks out of / into vLLM's cache.
 
 vLLM's CPU attention keeps one tensor per layer, [num_blocks, num_kv_heads, block_size,
-2 * head_dim] in shape, whose memory per block is [kv head][K, V][token][dim]. A block on the
-wire covers every layer, in one of two byte orders:
+2 * head_dim] in shape. Its kernels (the "vec" ISA, used for 32-token blocks without AMX)
+fill each head's slice of a block with the keys transposed, [dim][token], then the values,
+[token][dim]. A block on the wire covers every layer, in one of two byte orders:
 
-- "vllm": each layer's block memory as vLLM holds it, layer after layer
-  ([layer][kv head][K/V][token][dim]); a vLLM-to-vLLM hand-off copies it as is.
+- "vllm": each layer's block memory exactly as vLLM holds it, layer after layer; a
+  vLLM-to-vLLM hand-off copies it as is.
 - "native": kvmesh's own engine's order ([layer][K/V][token][kv head][dim], see
   ModelRunner.read_block), so blocks move between vLLM and native workers when dtype,
   block size and model shape agree too.
@@ -36,9 +37,14 @@ class BlockShape:
             raise ValueError(f"unexpected vLLM KV cache shape {tuple(layer.shape)}")
         return cls(layer.shape[1], layer.shape[2], layer.shape[3] // 2)
 
-    def vllm_view(self, layer: torch.Tensor) -> torch.Tensor:
-        """[num_blocks, kv heads, K/V, token, dim] view of a layer's cache."""
-        return layer.view(layer.shape[0], self.num_kv_heads, 2, self.block_size, self.head_dim)
+    @property
+    def half(self) -> int:
+        """Elements of the keys (or the values) of one head in one block."""
+        return self.block_size * self.head_dim
+
+    def heads_view(self, layer: torch.Tensor) -> torch.Tensor:
+        """[num_blocks, kv heads, keys then values] view of a layer's cache."""
+        return layer.view(layer.shape[0], self.num_kv_heads, 2 * self.half)
 
 
 def pack_blocks(
@@ -48,11 +54,10 @@ def pack_blocks(
     _check_format(wire_format)
     shape = BlockShape.of_layer(layers[0])
     index = torch.tensor(list(block_ids), dtype=torch.long)
-    # [blocks, layer, kv head, K/V, token, dim]
-    stacked = torch.stack([shape.vllm_view(layer).index_select(0, index) for layer in layers], 1)
+    per_layer = [shape.heads_view(layer).index_select(0, index) for layer in layers]
     if wire_format == "native":
-        stacked = stacked.permute(0, 1, 3, 4, 2, 5)  # [blocks, layer, K/V, token, kv head, dim]
-    raw = stacked.contiguous().view(len(block_ids), -1).view(torch.uint8)
+        per_layer = [_to_native(blocks, shape) for blocks in per_layer]
+    raw = torch.stack(per_layer, 1).contiguous().view(len(block_ids), -1).view(torch.uint8)
     return [raw[i].numpy().tobytes() for i in range(len(block_ids))]
 
 
@@ -69,15 +74,33 @@ def unpack_blocks(
     if not blocks:
         return
     shape = BlockShape.of_layer(layers[0])
-    h, t, d = shape.num_kv_heads, shape.block_size, shape.head_dim
     raw = torch.frombuffer(bytearray(b"".join(blocks)), dtype=torch.uint8).view(layers[0].dtype)
-    if wire_format == "native":
-        data = raw.view(len(blocks), len(layers), 2, t, h, d).permute(0, 1, 4, 2, 3, 5)
-    else:
-        data = raw.view(len(blocks), len(layers), h, 2, t, d)
+    per_block = raw.view(len(blocks), len(layers), -1)
     index = torch.tensor(list(block_ids), dtype=torch.long)
     for number, layer in enumerate(layers):
-        shape.vllm_view(layer).index_copy_(0, index, data[:, number].contiguous())
+        data = per_block[:, number]
+        if wire_format == "native":
+            data = _from_native(data, shape)
+        shape.heads_view(layer).index_copy_(
+            0, index, data.reshape(len(blocks), shape.num_kv_heads, -1)
+        )
+
+
+def _to_native(blocks: torch.Tensor, shape: BlockShape) -> torch.Tensor:
+    """[n, heads, K^T then V] (vLLM) -> [n, K/V, token, head, dim] (native)."""
+    n, h, t, d = blocks.shape[0], shape.num_kv_heads, shape.block_size, shape.head_dim
+    keys = blocks[:, :, : shape.half].reshape(n, h, d, t).permute(0, 3, 1, 2)
+    values = blocks[:, :, shape.half :].reshape(n, h, t, d).permute(0, 2, 1, 3)
+    return torch.stack([keys, values], 1)
+
+
+def _from_native(blocks: torch.Tensor, shape: BlockShape) -> torch.Tensor:
+    """[n, K/V, token, head, dim] (native, flat) -> [n, heads, K^T then V] (vLLM)."""
+    n, h, t, d = blocks.shape[0], shape.num_kv_heads, shape.block_size, shape.head_dim
+    native = blocks.reshape(n, 2, t, h, d)
+    keys = native[:, 0].permute(0, 2, 3, 1).reshape(n, h, shape.half)
+    values = native[:, 1].permute(0, 2, 1, 3).reshape(n, h, shape.half)
+    return torch.cat([keys, values], 2)
 
 
 def _check_format(wire_format: str) -> None:

@@ -1,0 +1,89 @@
+"""vLLM against kvmesh's native engine: the same greedy tokens, and KV hand-off both ways once
+the layouts agree (vLLM exporting in the native byte order, native engine on 32-token blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from kvmesh.config import load_config
+from services.worker.__main__ import build_worker, engine_config
+from services.worker.config import WorkerConfig
+from services.worker.engine.async_engine import AsyncEngine
+from tests.service.worker_mesh import (
+    GREEDY,
+    InProcessWorker,
+    all_idle,
+    colocated,
+    disaggregated,
+    offline,
+    request,
+    worker_args,
+)
+from tests.vllm.conftest import start_vllm_worker, vllm_engine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+PROMPTS = [list(range(20, 60)), list(range(100, 170))]
+# Prompts neither worker has seen before the hand-off test, so every block moves.
+FRESH_PROMPTS = [list(range(200, 240)), list(range(250, 320))]
+
+
+@dataclass
+class Pair:
+    vllm: InProcessWorker
+    native: InProcessWorker
+
+
+async def start_native_worker(model: Path, block_size: int) -> InProcessWorker:
+    config = load_config(WorkerConfig, worker_args(model, "both"))
+    engine = AsyncEngine.from_config(engine_config(config).replace(block_size=block_size))
+    worker = build_worker(config, engine)
+    await worker.start()
+    return InProcessWorker(worker, grpc.aio.insecure_channel(worker.server.address))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pair(tiny_llama32_dir: Path) -> AsyncIterator[Pair]:
+    workers = Pair(
+        await start_vllm_worker(tiny_llama32_dir, "both", wire_format="native"),
+        await start_native_worker(tiny_llama32_dir, block_size=32),
+    )
+    yield workers
+    await workers.vllm.stop()
+    await workers.native.stop()
+
+
+async def test_colocated_vllm_matches_native_greedy(pair: Pair, tiny_llama32_dir: Path) -> None:
+    expected = offline(tiny_llama32_dir, PROMPTS, GREEDY)
+    for index, prompt in enumerate(PROMPTS):
+        result = await colocated(pair.vllm.stub, request(f"c{index}", prompt))
+        assert result.token_ids == expected[index]
+        assert result.finished.usage.prompt_tokens == len(prompt)
+
+
+async def test_hand_off_both_ways_when_layouts_agree(pair: Pair, tiny_llama32_dir: Path) -> None:
+    stats = await pair.vllm.stats(), await pair.native.stats()
+    assert stats[0].layout == stats[1].layout
+    assert stats[0].model_fingerprint == stats[1].model_fingerprint
+    expected = offline(tiny_llama32_dir, FRESH_PROMPTS, GREEDY)
+    engine = vllm_engine(pair.vllm)
+    for index, prompt in enumerate(FRESH_PROMPTS):
+        loaded_before = engine.kv_loaded_tokens
+        into_vllm = await disaggregated(
+            pair.native.stub, pair.vllm.stub, request(f"n{index}", prompt)
+        )
+        assert engine.kv_loaded_tokens - loaded_before == len(prompt)
+        out_of_vllm = await disaggregated(
+            pair.vllm.stub, pair.native.stub, request(f"v{index}", prompt)
+        )
+        assert into_vllm.token_ids == expected[index]
+        assert out_of_vllm.token_ids == expected[index]
+    assert await all_idle([pair.vllm.stub, pair.native.stub])
+    assert engine.num_entries == 0
