@@ -53,8 +53,6 @@ class WorkerConfig(ServerConfig):
     """Largest data piece of one KvChunk on PullKv (at most 1 MiB)."""
     kv_send_max_mb_s: float = 0.0
     """Cap on the rate this worker sends KV on PullKv, in MB/s (10**6 bytes); 0: no cap."""
-    pull_batch_blocks: int = 8
-    """Blocks read out of the engine per export call while serving PullKv (bounds memory)."""
 
     def validate(self) -> None:
         """Raises ValueError naming the first setting out of range."""
@@ -66,8 +64,6 @@ class WorkerConfig(ServerConfig):
             raise ValueError("lease_ttl_s and lease_sweep_interval_s must be positive")
         if self.kv_send_max_mb_s < 0:
             raise ValueError(f"kv_send_max_mb_s must be >= 0, got {self.kv_send_max_mb_s}")
-        if self.pull_batch_blocks < 1:
-            raise ValueError(f"pull_batch_blocks must be >= 1, got {self.pull_batch_blocks}")
 
     @property
     def serves_prefill(self) -> bool:

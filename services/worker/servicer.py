@@ -207,21 +207,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         bad = [i for i in indices if i >= count]
         if bad:
             raise InvalidArgument("block_indices", f"{bad} out of range for a {count}-block lease")
+        # One engine command for every block: the engine applies commands between its steps,
+        # so a command per block would make a busy worker's pull wait one step per block.
+        try:
+            blobs = await self.engine.export_blocks(lease.handle_id, indices)
+        except KeyError:
+            raise NotFound(f"KV lease {request.lease_id!r} expired during the pull") from None
         pacer = Pacer(self.config.kv_send_max_mb_s * 1e6)
-        step = self.config.pull_batch_blocks
-        for batch in (indices[i : i + step] for i in range(0, len(indices), step)):
-            try:
-                blobs = await self.engine.export_blocks(lease.handle_id, batch)
-            except KeyError:
-                raise NotFound(f"KV lease {request.lease_id!r} expired during the pull") from None
-            for index, data in zip(batch, blobs, strict=True):
-                metrics.KV_TRANSFER_BYTES.labels("sent").inc(len(data))
-                metrics.KV_TRANSFER_BLOCKS.labels("sent").inc()
-                for chunk in chunk_block(
-                    index, lease.block_hashes[index], data, self.config.kv_chunk_bytes
-                ):
-                    yield chunk
-                    await pacer.sent(len(chunk.data))
+        for index, data in zip(indices, blobs, strict=True):
+            metrics.KV_TRANSFER_BYTES.labels("sent").inc(len(data))
+            metrics.KV_TRANSFER_BLOCKS.labels("sent").inc()
+            for chunk in chunk_block(
+                index, lease.block_hashes[index], data, self.config.kv_chunk_bytes
+            ):
+                yield chunk
+                await pacer.sent(len(chunk.data))
 
     async def ReleaseKv(
         self, request: worker_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
@@ -332,16 +332,24 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ),
             timeout=time_left,
         )
+        # Writes are queued without waiting for each: the engine thread applies every queued
+        # command between two steps, so the import costs a step or two, not one per block.
+        writes: list[asyncio.Future[None]] = []
         with _tracer.start_as_current_span("kv_pull") as span:
             try:
                 async for chunk in call:
                     block = assembler.add(chunk)
                     if block is not None:
-                        await self.engine.write_imported_block(plan, *block)
+                        writes.append(
+                            asyncio.ensure_future(self.engine.write_imported_block(plan, *block))
+                        )
+                await asyncio.gather(*writes)
             except grpc.aio.AioRpcError as error:
                 raise _pull_error(error, lease.worker_address) from None
             finally:
                 call.cancel()
+                # On failure, let queued writes settle before the caller cancels the import.
+                await asyncio.gather(*writes, return_exceptions=True)
             if assembler.missing():
                 raise DataLoss(f"PullKv ended before blocks {assembler.missing()} arrived")
             span.set_attribute("kvmesh.kv_transfer.bytes", assembler.bytes_received)

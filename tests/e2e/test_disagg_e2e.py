@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import urllib.request
@@ -10,11 +11,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import yaml
 
+from kvmesh.telemetry import TRACE_FILE_ENV
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.procs import ServiceProcess, start_service
 from tests.service.worker_mesh import GREEDY, all_idle, offline, request, worker_args
@@ -30,6 +33,8 @@ class Stack:
     prefill: list[ServiceProcess]
     decode: ServiceProcess
     router: ServiceProcess
+    trace_file: Path
+    """The router's spans, one JSON object per line."""
 
     def all(self) -> list[ServiceProcess]:
         return [*self.prefill, self.decode, self.router]
@@ -56,9 +61,14 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             }
         )
     )
+    trace_file = pools.parent / "router-spans.jsonl"
     router_args = ["--config", str(pools), "--port", "0", "--metrics-port", "-1"]
-    router = start_service("services.router", [*router_args, "--refresh-interval-s", "0.2"])
-    started = Stack(prefill=workers[:2], decode=workers[2], router=router)
+    router = start_service(
+        "services.router",
+        [*router_args, "--refresh-interval-s", "0.2"],
+        env={TRACE_FILE_ENV: str(trace_file)},
+    )
+    started = Stack(workers[:2], workers[2], router, trace_file)
     yield started
     for process in started.all():
         process.terminate()
@@ -100,12 +110,39 @@ async def test_prefill_killed_during_pull_is_reprefilled_on_the_other(
     tokens = [t for e in events if e.WhichOneof("event") == "chunk" for t in e.chunk.token_ids]
     assert tokens == expected
     assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    # The decision, its reason and the failed attempt are on the router's span as well.
+    span = await _router_span(stack.trace_file, "kill-p")
+    attributes = span["attributes"]
+    assert attributes["kvmesh.placement.attempts"] == 2
+    assert attributes["kvmesh.placement.reason"] == placement.reason
+    assert attributes["kvmesh.placement.prefill_worker"] == survivor.address
+    assert attributes["gen_ai.request.model"] == "tiny"
+    assert attributes["gen_ai.usage.output_tokens"] == len(expected)
+    (retry,) = [e for e in span["events"] if e["name"] == "kvmesh.retry"]
+    assert killed.address in retry["attributes"]["kvmesh.failed_workers"]
     async with (
         grpc.aio.insecure_channel(survivor.address) as prefill,
         grpc.aio.insecure_channel(stack.decode.address) as decode,
     ):
         stubs = [worker_pb2_grpc.WorkerStub(prefill), worker_pb2_grpc.WorkerStub(decode)]
         assert await all_idle(stubs)
+
+
+async def _router_span(trace_file: Path, request_id: str) -> dict[str, Any]:
+    """The router.generate span of a request (spans are written when they end)."""
+    for _ in range(100):
+        if trace_file.exists():
+            for line in trace_file.read_text().splitlines():
+                span = json.loads(line)
+                attributes = span.get("attributes", {})
+                if (
+                    span["name"] == "router.generate"
+                    and attributes.get("kvmesh.request_id") == request_id
+                ):
+                    return dict(span)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no router.generate span for {request_id} in {trace_file}")
 
 
 async def test_decode_killed_mid_stream_is_unavailable_and_the_lease_is_freed(

@@ -270,8 +270,10 @@ async def test_cancel_and_disconnect_free_the_blocks(trio: Trio) -> None:
 
 
 async def test_stats_and_roles(trio: Trio) -> None:
-    await colocated(trio.both.stub, request("s", PROMPTS[0]))
+    await colocated(trio.both.stub, request("s1", PROMPTS[0]))
+    await colocated(trio.both.stub, request("s2", PROMPTS[0]))  # its two full blocks hit
     stats = await trio.both.stub.Stats(worker_pb2.StatsRequest(include_block_hashes=True))
+    assert stats.prefix_cache_hit_rate == pytest.approx(32 / 80)
     assert stats.role == worker_pb2.WORKER_ROLE_BOTH
     assert stats.kv_blocks_total == KV_BLOCKS and stats.block_size == 16
     assert stats.num_cached_blocks == len(stats.cached_block_hashes) > 0
