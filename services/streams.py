@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Generic, TypeVar
 
+from opentelemetry import trace
+
 from kvmesh.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Message = TypeVar("Message")
-
-CancelHook = Callable[[str], Awaitable[None]]
 
 
 async def first_message(messages: AsyncIterator[Message], what: str) -> Message:
@@ -30,21 +33,24 @@ async def first_message(messages: AsyncIterator[Message], what: str) -> Message:
 
 
 class CancelWatch(Generic[Message]):
-    """Reads the rest of a request stream in the background and reacts to a Cancel message.
+    """Reads the rest of a request stream in the background and sets `cancelled` on a Cancel.
 
     `reason_of(message)` returns the cancel reason for a Cancel message and None otherwise.
-    A stream that simply half-closes is not a cancel. `on_cancel` may be swapped while the
-    request moves through its phases (e.g. "stop the pull", then "abort the engine request").
+    A stream that simply half-closes is not a cancel. The reason is logged (naming `label`,
+    the request) and added to the current span.
     """
 
     def __init__(
-        self, messages: AsyncIterator[Message], reason_of: Callable[[Message], str | None]
+        self,
+        messages: AsyncIterator[Message],
+        reason_of: Callable[[Message], str | None],
+        label: str = "a request",
     ) -> None:
         self._messages = messages
         self._reason_of = reason_of
+        self._label = label
         self.cancelled = asyncio.Event()
         self.reason = ""
-        self.on_cancel: CancelHook | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -56,10 +62,10 @@ class CancelWatch(Generic[Message]):
             reason = self._reason_of(message)
             if reason is None:
                 continue
-            self.reason = reason or "cancelled by the caller"
+            self.reason = reason or "no reason given"
+            log.info("%s cancelled by the caller: %s", self._label, self.reason)
+            trace.get_current_span().add_event("kvmesh.cancel", {"kvmesh.reason": self.reason})
             self.cancelled.set()
-            if self.on_cancel is not None:
-                await self.on_cancel(self.reason)
             return
 
     async def close(self) -> None:

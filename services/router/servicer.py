@@ -60,7 +60,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         request = first.request
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
-        watch = CancelWatch(request_iterator, _cancel_reason)
+        watch = CancelWatch(request_iterator, _cancel_reason, request.request_id)
         watch.start()
         # gRPC may drop a handler whose caller went away without resuming it: the end of the
         # RPC itself stops the downstream calls.

@@ -135,7 +135,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if first.WhichOneof("message") != "request":
             raise InvalidArgument("request", "the first message must be the request")
         request = engine_request(first.request, context.time_remaining())
-        watch = CancelWatch(request_iterator, _cancel_reason)
+        watch = CancelWatch(request_iterator, _cancel_reason, request.request_id)
         watch.start()
         state = self._track(request, context)
         try:
@@ -265,7 +265,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.engine.fingerprint, self.layout, lease.model_fingerprint, lease.layout
         )
         state = self._track(request, context)
-        watch = CancelWatch(request_iterator, _cancel_reason)
+        watch = CancelWatch(request_iterator, _cancel_reason, request.request_id)
         watch.start()
         try:
             plan = state.import_plan = await self._start_import(request, lease)
