@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -214,7 +215,9 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
         if hf_name is None:
             raise ModelLoadError(f"{path}: unexpected tensor {name!r} (not a Llama GGUF?)")
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weight = torch.from_numpy(array.astype("float32", copy=False).copy())
+        if array.dtype != np.float32 or not array.flags.writeable:  # F32/F16: views of the file
+            array = array.astype(np.float32)
+        weight = torch.from_numpy(array)
         if hf_name.endswith("q_proj.weight"):
             weight = unpermute_rope_rows(weight, config.num_heads)
         elif hf_name.endswith("k_proj.weight"):
