@@ -204,8 +204,17 @@ class GenerationStream:
         # more is garbage-collected, and gRPC cancels a collected call.
         call = self._stub.Generate(metadata=self._metadata, timeout=self._deadline_s)
         self._call = call
-        await call.write(gateway_pb2.GenerateClientMessage(request=self._request))
+        await self._write(call, gateway_pb2.GenerateClientMessage(request=self._request))
         return call
+
+    @staticmethod
+    async def _write(call: Any, message: gateway_pb2.GenerateClientMessage) -> None:
+        try:
+            await call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            # The server ended the call first (e.g. it refused the credentials on sight); the
+            # next read raises its status, which says why, instead of this write's error.
+            return
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -238,8 +247,8 @@ class GenerationStream:
         """Asks the gateway to stop; returns the partial result (finish reason "abort")."""
         if self._progress.finished is None:
             call = self._call or await self._start()
-            await call.write(
-                gateway_pb2.GenerateClientMessage(cancel=common_pb2.Cancel(reason=reason))
+            await self._write(
+                call, gateway_pb2.GenerateClientMessage(cancel=common_pb2.Cancel(reason=reason))
             )
             async for _ in self:
                 pass

@@ -88,8 +88,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         request_iterator: AsyncIterator[gateway_pb2.GenerateClientMessage | MalformedMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
-        tenant = self._gateway.authenticate(context.invocation_metadata() or ())
+        # The request is read before the credentials are checked: a client still writing it
+        # when the call already ended would see a transport error instead of the real status.
         request = await _first_request(request_iterator)
+        tenant = self._gateway.authenticate(context.invocation_metadata() or ())
         watch = CancelWatch(request_iterator, _cancel_reason)
         watch.start()
         try:

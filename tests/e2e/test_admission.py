@@ -92,6 +92,7 @@ def write_tenants(path: Path) -> dict[str, str]:
         Tenant(name="carol", key_sha256="", shared_cache=True),
         Tenant(name="dave", key_sha256="", shared_cache=True),
         Tenant(name="limited", key_sha256="", tokens_per_minute=60),
+        Tenant(name="single", key_sha256="", max_concurrent=1),
         Tenant(name="batcher", key_sha256="", models=(TIER,), highest_priority=PriorityClass.BATCH),
     ]
     return {spec.name: add_tenant(path, spec)[1] for spec in specs}
@@ -238,6 +239,27 @@ async def test_tokens_per_minute_budget_is_shared_by_two_gateways(mesh: Mesh) ->
         assert (await bob.generate("other tenants go on", max_tokens=2)).finish_reason
 
 
+async def test_max_concurrent_requests_per_tenant(mesh: Mesh) -> None:
+    options: dict[str, Any] = {"max_tokens": 480, "ignore_eos": True, "cache_policy": "bypass"}
+    async with mesh.client("single") as single:
+        async with single.stream(LONG_PROMPT, **options) as running:
+            await anext(running)
+            with pytest.raises(ResourceExhausted) as raised:
+                await single.generate("one more", max_tokens=2)
+            assert "concurrent requests: 1 of 1" in raised.value.quota_violations[0].description
+            assert raised.value.retry_after_s is not None
+        # The gateway frees the slot as soon as it sees the cancel (asynchronously).
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                result = await single.generate("now there is room", max_tokens=2)
+                break
+            except ResourceExhausted as error:
+                assert time.monotonic() < deadline, "the cancelled stream kept its slot"
+                await asyncio.sleep(min(error.retry_after_s or 0.1, 0.1))
+        assert result.finish_reason in ("stop", "length")
+
+
 # --- response cache --------------------------------------------------------------------------
 
 
@@ -369,16 +391,18 @@ def waiting(gateway: ServiceProcess, priority: str) -> float:
     return float(found[0].split()[-1]) if found else 0.0
 
 
-async def until(condition: Callable[[], Awaitable[bool]], within_s: float = 5.0) -> None:
+async def until(condition: Callable[[], Awaitable[bool]], within_s: float = 10.0) -> None:
     deadline = time.monotonic() + within_s
     while not await condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
+        assert time.monotonic() < deadline, f"not reached in {within_s}s: {condition.__doc__}"
         await asyncio.sleep(0.02)
 
 
 def queued(gateway: ServiceProcess, priority: str, count: int) -> Callable[[], Awaitable[bool]]:
     async def check() -> bool:
-        return await asyncio.to_thread(waiting, gateway, priority) == count
+        now = await asyncio.to_thread(waiting, gateway, priority)
+        check.__doc__ = f"{count} {priority} requests waiting (last seen {now:.0f})"
+        return now == count
 
     return check
 
