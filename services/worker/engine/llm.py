@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.engine.loader import LoadedModel
 from services.worker.engine.request import (
     Completion,
     EngineRequest,
@@ -27,9 +28,14 @@ class _Progress:
 class LLM:
     """`LLM(model=...).generate(prompts, sampling)` -> one Completion per prompt, in order."""
 
-    def __init__(self, model: str, **engine_config_overrides: object) -> None:
-        config = EngineConfig(model=model).replace(**engine_config_overrides)
-        self.engine = Engine.from_config(config)
+    def __init__(self, model: str | LoadedModel, **engine_config_overrides: object) -> None:
+        """model: a model spec to load, or a model already loaded (shared, not copied)."""
+        if isinstance(model, LoadedModel):
+            config = EngineConfig(model=model.name).replace(**engine_config_overrides)
+            self.engine = Engine(model, config)
+        else:
+            config = EngineConfig(model=model).replace(**engine_config_overrides)
+            self.engine = Engine.from_config(config)
         self.tokenizer = self.engine.tokenizer
         self._request_ids = itertools.count()
 

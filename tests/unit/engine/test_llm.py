@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from services.worker.engine.llm import LLM
-from services.worker.engine.loader import save_hf_folder
+from services.worker.engine.loader import LoadedModel, save_hf_folder
 from services.worker.engine.request import FinishReason, SamplingParams
 
 PROMPTS = [
@@ -21,8 +21,15 @@ NUM_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_gguf_path: Path) -> LLM:
-    return LLM(str(smollm2_gguf_path), max_num_batched_tokens=64)
+def llm(smollm2_fp32: LoadedModel) -> LLM:
+    return LLM(smollm2_fp32, max_num_batched_tokens=64)
+
+
+def test_llm_loads_a_model_by_name(tiny_llama_dir: Path) -> None:
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=8)
+    (completion,) = llm.generate(["The quick"], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(completion.token_ids) == 3
+    assert llm.engine.pool.num_blocks == 8
 
 
 def test_smollm2_llm_generate_matches_transformers(llm: LLM, tmp_path: Path) -> None:
