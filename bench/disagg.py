@@ -314,6 +314,8 @@ def mode_report(
     if decode is not None:
         moved = decode.metric("kvmesh:kv_transfer_bytes_total", 'direction="received"')
         seconds = decode.metric("kvmesh:kv_transfer_seconds_sum")
+        # The hand-off as the decode worker reports it: from its Decode start to the import
+        # committed (allocation, the pull, the writes), over the long prompts' TTFT.
         shares = [
             m.kv_transfer_ms / (m.result.ttft_s * 1000)
             for m in measured
@@ -474,9 +476,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--chat-output", type=int, default=64)
     parser.add_argument("--long-prompt", type=int, default=1000)
     parser.add_argument("--long-output", type=int, default=8)
-    parser.add_argument("--long-rate", type=float, default=0.1, help="long prompts per second")
-    parser.add_argument("--slo-ttft-s", type=float, default=10.0)
-    parser.add_argument("--slo-tpot-ms", type=float, default=150.0)
+    parser.add_argument("--long-rate", type=float, default=0.15, help="long prompts per second")
+    parser.add_argument("--slo-ttft-s", type=float, default=15.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=300.0)
     parser.add_argument("--agreement-prompts", type=int, default=32)
     parser.add_argument("--agreement-prompt-tokens", type=int, default=24)
     parser.add_argument("--agreement-output", type=int, default=32)

@@ -158,7 +158,12 @@ class Orchestrator:
                 # Check the failed workers before placing again: a dead one leaves the
                 # rotation (and may take its tier down to the fallback) before the retry.
                 await self.monitor.check_many(addresses)
-                choice = resolve_tier(self.registry, choice.requested, choice.why)
+                try:
+                    choice = resolve_tier(self.registry, choice.requested, choice.why)
+                except Unavailable as nowhere:
+                    raise Unavailable(
+                        f"{error.message}; no worker left to retry on: {nowhere}"
+                    ) from None
                 avoid.update(addresses)
                 retry_note = f"retry after {error.status} on {', '.join(addresses)}"
                 continue

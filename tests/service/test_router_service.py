@@ -210,6 +210,13 @@ async def test_a_failure_before_the_first_token_is_retried_on_another_worker(
         assert placement.prefill_worker == mesh.address("p1")
         assert "retry after UNAVAILABLE" in placement.reason
         assert await all_idle([w.stub for w in mesh.workers.values()])
+
+        # A tier whose only worker is gone and that has no fallback: nowhere to retry.
+        await mesh.workers.pop("c0").stop()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await route(mesh.stub, request("alone", LONG, model="tiny-co"))
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no worker left to retry on" in (raised.value.details() or "")
     finally:
         await mesh.close()
 
