@@ -16,7 +16,9 @@ def key(tokens: list[int], temperature: float = 0.0, seed: int | None = None) ->
     )
 
 
-def answer(text: str, reason: int = common_pb2.FINISH_REASON_STOP) -> cache_pb2.CachedResponse:
+def answer(
+    text: str, reason: common_pb2.FinishReason.ValueType = common_pb2.FINISH_REASON_STOP
+) -> cache_pb2.CachedResponse:
     return cache_pb2.CachedResponse(token_ids=[5, 6], text=text, finish_reason=reason, model="m")
 
 
