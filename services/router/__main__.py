@@ -29,10 +29,14 @@ class Router:
     monitor: WorkerMonitor
     server: GrpcServer
 
-    async def start(self) -> None:
-        """Checks every worker once, then starts the refresh loop and the server."""
+    async def start_background(self) -> None:
+        """Checks every worker once, then starts the refresh loop (not the server)."""
         await self.monitor.check_all()
         self.monitor.start()
+
+    async def start(self) -> None:
+        """Starts everything, the server included (in-process use)."""
+        await self.start_background()
         await self.server.start()
 
     async def stop(self) -> None:
@@ -63,8 +67,7 @@ def build_router(config: RouterConfig) -> Router:
 
 async def _run(config: RouterConfig) -> None:
     router = build_router(config)
-    await router.monitor.check_all()
-    router.monitor.start()
+    await router.start_background()
     await serve(router.server)
 
 

@@ -100,7 +100,9 @@ class Orchestrator:
         if model == AUTO_MODEL:
             rule = self.registry.config.auto
             if rule is None:
-                raise InvalidArgument("model", "'auto' is not configured on this router")
+                # Without a rule there is nothing cheaper to route to: the first tier serves.
+                first = self.registry.tiers[0].name
+                return resolve_tier(self.registry, first, f"auto: no rule configured -> {first}")
             max_tokens = (
                 request.sampling.max_tokens if request.sampling.HasField("max_tokens") else None
             )

@@ -116,6 +116,8 @@ def parse_pools(data: Any) -> PoolsConfig:
     if not isinstance(data, Mapping) or not isinstance(data.get("tiers"), Sequence):
         raise TierConfigError("the pools file needs a 'tiers' list")
     tiers = tuple(_tier(entry) for entry in data["tiers"])
+    if not tiers:
+        raise TierConfigError("the pools file needs at least one tier")
     names = [t.name for t in tiers]
     if len(set(names)) != len(names):
         raise TierConfigError(f"tier names must be unique, got {names}")

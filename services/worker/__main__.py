@@ -46,10 +46,14 @@ class Worker:
     sweeper: LeaseSweeper
     server: GrpcServer
 
-    async def start(self) -> None:
-        """Starts the engine thread, the sweeper and the server (in-process use)."""
+    async def start_background(self) -> None:
+        """Starts the engine thread and the lease sweeper (the server is started apart)."""
         await self.engine.start()
         self.sweeper.start()
+
+    async def start(self) -> None:
+        """Starts everything, the server included (in-process use)."""
+        await self.start_background()
         await self.server.start()
 
     async def stop(self) -> None:
@@ -90,8 +94,7 @@ async def _run(config: WorkerConfig) -> None:
         worker.engine.fingerprint,
         worker.engine.layout,
     )
-    await worker.engine.start()
-    worker.sweeper.start()
+    await worker.start_background()
     await serve(worker.server)
 
 

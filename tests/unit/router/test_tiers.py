@@ -43,6 +43,7 @@ def test_load_pools(tmp_path: Path) -> None:
     ("doc", "message"),
     [
         ("{}", "'tiers' list"),
+        ("tiers: []", "at least one tier"),
         ("tiers: [{prefill: []}]", "needs a name"),
         ("tiers: [{name: a}, {name: a}]", "unique"),
         ("tiers: [{name: a, fallback: b}]", "fallback 'b'"),
