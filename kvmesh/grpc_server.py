@@ -23,12 +23,12 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 from prometheus_client import Counter, start_http_server
 
 from kvmesh.config import ServerConfig
 from kvmesh.errors import Internal, InvalidArgument, KvmeshError, Unimplemented
 from kvmesh.rpc_status import abort_with_error
+from kvmesh.server_tracing import TracingInterceptor
 from kvmesh.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
@@ -46,13 +46,6 @@ RPC_ERRORS = Counter(
 )
 
 StopHook = Callable[[], Awaitable[None]]
-
-_TRACED = filters.negate(
-    filters.any_of(
-        filters.service_prefix("grpc.health."), filters.service_prefix("grpc.reflection.")
-    )
-)
-"""Health probes and reflection are not traced: they are not requests anyone follows."""
 
 
 @dataclass(slots=True)
@@ -215,7 +208,7 @@ class GrpcServer:
     async def start(self) -> int:
         """Binds, starts serving and marks every service SERVING; returns the gRPC port."""
         server = grpc.aio.server(
-            interceptors=[aio_server_interceptor(filter_=_TRACED), ErrorInterceptor()],
+            interceptors=[TracingInterceptor(), ErrorInterceptor()],
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

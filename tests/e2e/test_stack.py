@@ -301,3 +301,5 @@ def test_ctrl_c_stops_every_process(stack: RunningStack) -> None:
     for pid in map(int, children):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    logs = "".join(stack.output)
+    assert "Traceback" not in logs, "a service logged an error:\n" + logs[-4000:]
