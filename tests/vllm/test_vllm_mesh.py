@@ -34,6 +34,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 # 40 tokens: one full 32-token block and a partial one; 70 tokens: two full and a partial.
 PROMPTS = [list(range(20, 60)), list(range(100, 170))]
 LONG = common_pb2.SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+# As long as the tiny model's context allows: about a second of decoding here.
+LONGEST = common_pb2.SamplingParams(max_tokens=470, temperature=0.0, ignore_eos=True)
 
 
 @dataclass
@@ -146,3 +148,14 @@ async def test_a_dead_prefill_peer_frees_the_import(mesh: Mesh) -> None:
     assert vllm_engine(mesh.vllm_decode).num_entries == 0
     await mesh.vllm_both.stub.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=lease_id))
     assert await asyncio.wait_for(settled(mesh), timeout=10)
+
+
+async def test_deadline_ends_the_request_with_its_partial_output(mesh: Mesh) -> None:
+    call = mesh.vllm_both.stub.Generate(timeout=0.25)
+    await call.write(worker_pb2.WorkerGenerateMessage(request=request("late", PROMPTS[0], LONGEST)))
+    events = [event async for event in call]
+    finished = events[-1].finished
+    assert finished.finish_reason == common_pb2.FINISH_REASON_DEADLINE
+    streamed = sum(len(event.chunk.token_ids) for event in events[:-1])
+    assert finished.usage.completion_tokens == streamed < LONGEST.max_tokens
+    assert await wait_until(lambda: settled(mesh), within=5)

@@ -188,6 +188,15 @@ class KvmeshConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=extract_layer_index)
         self._layers = [kv_caches[name] for name in names]
+        model = self._vllm_config.model_config
+        expected = (model.get_total_num_kv_heads(), self._block_size, 2 * model.get_head_size())
+        shapes = {tuple(layer.shape[1:]) for layer in self._layers}
+        if shapes != {expected}:
+            # kv_wire knows the CPU attention backend's layout only (see its docstring).
+            raise RuntimeError(
+                f"kvmesh's connector expects vLLM CPU KV caches [blocks, {expected}], "
+                f"got {sorted(shapes)}"
+            )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

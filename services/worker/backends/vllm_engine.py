@@ -49,7 +49,12 @@ from services.worker.backends.kv_wire import WIRE_FORMATS
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import THROUGHPUT_WINDOW_S, EngineStats
 from services.worker.engine.kv_cache_manager import KvCapacityError, cdiv, hash_block_chain
-from services.worker.engine.loader import load_model, resolve_model_path, save_hf_folder
+from services.worker.engine.loader import (
+    LoadedModel,
+    load_model,
+    resolve_model_path,
+    save_hf_folder,
+)
 from services.worker.engine.model_runner import KvLayout, dtype_name
 from services.worker.engine.request import (
     EngineRequest,
@@ -143,6 +148,7 @@ class VllmEngine:
         if config.quantization != "none":
             raise ValueError("the vLLM backend serves unquantized weights only")
         if config.block_size % CPU_BLOCK_MULTIPLE:
+            # e.g. the native default of 16: vLLM runs 32-token blocks, and the layout says so.
             config = config.replace(block_size=CPU_BLOCK_MULTIPLE)
         self.config = config
         self._wire_format = kv_wire_format
@@ -179,7 +185,7 @@ class VllmEngine:
     def from_config(cls, config: EngineConfig, *, kv_wire_format: str = "vllm") -> VllmEngine:
         return cls(config, kv_wire_format=kv_wire_format)
 
-    def _hf_folder(self, loaded: Any) -> Path:
+    def _hf_folder(self, loaded: LoadedModel) -> Path:
         """vLLM reads Hugging Face folders: a GGUF model is written out as one first."""
         path = resolve_model_path(self.config.model)
         if path.is_dir():
