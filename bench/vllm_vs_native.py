@@ -47,20 +47,22 @@ class Run:
     ttft_p90_ms: float
     ttft_max_ms: float
     startup_s: float
+    # Each request's greedy tokens, to check the engines agree.
+    token_ids: list[list[int]]
 
 
 async def one_request(
     engine: EngineBackend, request_id: str, prompt: list[int], output_tokens: int
-) -> tuple[float, int]:
+) -> tuple[float, list[int]]:
     """(TTFT in seconds, output tokens) of one greedy request."""
     sampling = SamplingParams(max_tokens=output_tokens, ignore_eos=True)
     submitted = time.perf_counter()
     ttft = 0.0
-    produced = 0
+    produced: list[int] = []
     async for output in engine.generate(EngineRequest(request_id, prompt, sampling)):
         if output.new_token_ids and not produced:
             ttft = time.perf_counter() - submitted
-        produced += len(output.new_token_ids)
+        produced += output.new_token_ids
     return ttft, produced
 
 
@@ -90,7 +92,7 @@ async def run_engine(kind: str, args: argparse.Namespace, prompt: list[int]) -> 
     finally:
         await engine.shutdown()
     ttfts_ms = [ttft * 1000 for ttft, _ in results]
-    tokens = sum(produced for _, produced in results)
+    tokens = sum(len(produced) for _, produced in results)
     return Run(
         engine=kind,
         requests=args.requests,
@@ -101,6 +103,7 @@ async def run_engine(kind: str, args: argparse.Namespace, prompt: list[int]) -> 
         ttft_p90_ms=round(percentile(ttfts_ms, 90), 1),
         ttft_max_ms=round(max(ttfts_ms), 1),
         startup_s=round(startup_s, 1),
+        token_ids=[produced for _, produced in results],
     )
 
 
@@ -116,15 +119,16 @@ def bench_prompt(args: argparse.Namespace) -> list[int]:
     return ids[: args.prompt_tokens]
 
 
-def markdown(runs: Sequence[Run], args: argparse.Namespace) -> str:
+def markdown(runs: Sequence[Run], args: argparse.Namespace, load_at_start: float) -> str:
     load = os.getloadavg()[0]
     lines = [
         HEADING,
         "",
         f"`.venv-vllm/bin/python -m bench.vllm_vs_native` — model `{args.model}`, float32, on "
         f"CPU ({platform.machine()}, {os.cpu_count()} cores shared with other work, load "
-        f"average {load:.1f} at the end), {args.threads} threads per engine, one engine at a "
-        f"time, through the engine API (AsyncEngine vs VllmEngine on vLLM {vllm_version()}, "
+        f"average {load_at_start:.1f} at the start, {load:.1f} at the end), {args.threads} "
+        "threads per engine, one engine at a time, through the engine API (AsyncEngine vs "
+        f"VllmEngine on vLLM {vllm_version()}, "
         "eager mode; 16-token KV blocks native, 32 vLLM, prefix caching on in both). Workload: "
         f"{args.requests} concurrent greedy requests submitted at once, one {args.prompt_tokens}-"
         f"token prompt, {args.output_tokens} output tokens each (EOS ignored). Tokens/s: all "
@@ -140,6 +144,14 @@ def markdown(runs: Sequence[Run], args: argparse.Namespace) -> str:
         f"{run.ttft_max_ms} | {run.duration_s} | {run.startup_s} |"
         for run in runs
     ]
+    if len(runs) == 2:
+        pairs = list(zip(runs[0].token_ids, runs[1].token_ids, strict=True))
+        same = sum(a == b for a, b in pairs)
+        lines += [
+            "",
+            f"Greedy outputs, {runs[0].engine} vs {runs[1].engine}: {same} of {len(pairs)} "
+            "requests identical token for token.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -166,8 +178,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 async def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     prompt = bench_prompt(args)
+    load_at_start = os.getloadavg()[0]
     runs = [await run_engine(kind, args, prompt) for kind in args.engines]
-    section = markdown(runs, args)
+    section = markdown(runs, args, load_at_start)
     print(section)
     if not args.no_write:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
