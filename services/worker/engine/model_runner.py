@@ -185,9 +185,9 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows, dtype=torch.long).to(device),
         )
 
-    def _additive_mask(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _additive_mask(self, blocked: torch.Tensor) -> torch.Tensor:
         """Bool "may not attend" -> additive 0 / -inf mask (SDPA on CPU runs faster with it)."""
-        return torch.zeros(hidden.shape, dtype=self.dtype).masked_fill_(hidden, -math.inf)
+        return torch.zeros(blocked.shape, dtype=self.dtype).masked_fill_(blocked, -math.inf)
 
     def _prefill_span(
         self, entry: BatchEntry, row_start: int, row_end: int, table: torch.Tensor
