@@ -205,9 +205,13 @@ class VllmEngine:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         if self.config.num_threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(self.config.num_threads)
-        self._llm = AsyncLLM.from_engine_args(
-            self._engine_args(), stat_loggers=[self._make_load_recorder]
-        )
+        try:
+            self._llm = AsyncLLM.from_engine_args(
+                self._engine_args(), stat_loggers=[self._make_load_recorder]
+            )
+        except BaseException:
+            shutil.rmtree(self._work_dir, ignore_errors=True)  # nobody will call shutdown()
+            raise
 
     def _make_load_recorder(self, vllm_config: Any, engine_index: int) -> StatLoggerBase:
         return _LoadRecorder(self._load, vllm_config, engine_index)
