@@ -9,11 +9,13 @@ Not a test. For each mode it starts two workers, each pinned with `taskset` to i
 - long: 1,000-token prompts (short outputs) arriving as a Poisson process among them.
 Prompts are distinct random words, so no prefix cache helps.
 
-Reported per mode: decode inter-token latency (ITL, the gap between token-carrying chunks of
-the chat requests) p50/p99, TTFT p50/p99 of both classes, goodput (requests/s meeting the TTFT
-and TPOT SLO), and, split, the KV transfer rate (bytes the decode worker received over the time
-its pulls took) and its share of the long requests' TTFT. Goal: p99 ITL at least 2x lower split;
-KV transfer under 10 % of TTFT.
+Before the load, `--quiet-long` long prompts run one at a time on the idle mesh (their TTFT,
+and split, the hand-off without contention). Reported per mode under the load: decode
+inter-token latency (ITL, the gap between token-carrying chunks of the chat requests) p50/p99,
+TTFT p50/p99 of both classes, goodput (requests/s meeting the TTFT and TPOT SLO), and, split,
+the KV hand-off (the decode worker's Decode start to its import committed) as a share of the
+long requests' TTFT, and the pull rate (bytes received over the time the pulls took). Goal: p99
+ITL at least 2x lower split; KV transfer under 10 % of TTFT.
 
 Then the cost of routing down: greedy outputs of the int8 tier against the full tier on a fixed
 set of short prompts (the ones "auto" sends to the cheap tier), offline, as exact-match rate and
@@ -47,7 +49,7 @@ from typing import Any
 import grpc
 import yaml
 
-from kvmesh.bench_report import RequestResult, Slo, percentile, summarize
+from kvmesh.bench_report import RequestResult, Slo, distribution, percentile, summarize
 from kvmesh.channels import insecure_channel
 from kvmesh.grpc_server import READY_PREFIX
 from kvmesh.loadgen import WORDS
@@ -262,72 +264,123 @@ def _request(request_id: str, prompt: list[int], max_tokens: int) -> common_pb2.
     )
 
 
-async def run_load(mesh: Mesh, args: argparse.Namespace, prompts: Prompts) -> list[Measured]:
-    """Warm-up, then chat clients in closed loops and long prompts on a Poisson schedule."""
+async def warm_up(
+    stub: router_pb2_grpc.RouterStub, args: argparse.Namespace, prompts: Prompts
+) -> None:
+    """Both workers see one long and one chat request before anything is measured."""
+    zero = time.perf_counter()
+    for index in range(2):
+        long = _request(f"warm-l{index}", prompts.make(args.long_prompt), 2)
+        await measure(stub, "warm", long, zero)
+        await measure(
+            stub, "warm", _request(f"warm-c{index}", prompts.make(args.chat_prompt), 4), zero
+        )
+
+
+async def run_quiet(
+    stub: router_pb2_grpc.RouterStub, args: argparse.Namespace, prompts: Prompts
+) -> list[Measured]:
+    """Long prompts one at a time on an idle mesh: TTFT and the hand-off without contention."""
+    zero = time.perf_counter()
+    return [
+        await measure(
+            stub, "quiet", _request(f"quiet-{i}", prompts.make(args.long_prompt), 2), zero
+        )
+        for i in range(args.quiet_long)
+    ]
+
+
+async def run_mixed(
+    stub: router_pb2_grpc.RouterStub, args: argparse.Namespace, prompts: Prompts
+) -> list[Measured]:
+    """Chat clients in closed loops and long prompts on a Poisson schedule, for the duration."""
     results: list[Measured] = []
     counter = iter(range(10**9))
-    async with insecure_channel(mesh.router.address) as channel:
-        stub = router_pb2_grpc.RouterStub(channel)
-        zero = time.perf_counter()
-        for _ in range(2):  # both workers see one of each before anything is measured
-            await measure(stub, "warm", _request("warm-l", prompts.make(args.long_prompt), 2), zero)
-            await measure(stub, "warm", _request("warm-c", prompts.make(args.chat_prompt), 4), zero)
-        zero = time.perf_counter()
-        end = zero + args.duration_s
+    zero = time.perf_counter()
+    end = zero + args.duration_s
 
-        async def chat_client() -> None:
-            while time.perf_counter() < end:
-                request = _request(
-                    f"chat-{next(counter)}", prompts.make(args.chat_prompt), args.chat_output
-                )
-                results.append(await measure(stub, "chat", request, zero))
+    async def chat_client() -> None:
+        while time.perf_counter() < end:
+            request = _request(
+                f"chat-{next(counter)}", prompts.make(args.chat_prompt), args.chat_output
+            )
+            results.append(await measure(stub, "chat", request, zero))
 
-        async def long_arrivals() -> None:
-            rng = random.Random(args.seed)
-            pending = []
-            while True:
-                await asyncio.sleep(rng.expovariate(args.long_rate))
-                if time.perf_counter() >= end:
-                    break
-                request = _request(
-                    f"long-{next(counter)}", prompts.make(args.long_prompt), args.long_output
-                )
-                pending.append(asyncio.create_task(measure(stub, "long", request, zero)))
-            results.extend(await asyncio.gather(*pending))
+    async def long_arrivals() -> None:
+        rng = random.Random(args.seed)
+        pending = []
+        while True:
+            await asyncio.sleep(rng.expovariate(args.long_rate))
+            if time.perf_counter() >= end:
+                break
+            request = _request(
+                f"long-{next(counter)}", prompts.make(args.long_prompt), args.long_output
+            )
+            pending.append(asyncio.create_task(measure(stub, "long", request, zero)))
+        results.extend(await asyncio.gather(*pending))
 
-        await asyncio.gather(long_arrivals(), *(chat_client() for _ in range(args.chat_clients)))
+    await asyncio.gather(long_arrivals(), *(chat_client() for _ in range(args.chat_clients)))
     return results
 
 
+@dataclass(slots=True, frozen=True)
+class KvCounters:
+    """The decode worker's KV counters at one moment."""
+
+    bytes: float
+    pull_seconds: float
+
+    @classmethod
+    def read(cls, decode: Process) -> KvCounters:
+        return cls(
+            decode.metric("kvmesh:kv_transfer_bytes_total", 'direction="received"'),
+            decode.metric("kvmesh:kv_transfer_seconds_sum"),
+        )
+
+
+def _handoff_shares(measured: list[Measured], kind: str) -> dict[str, float]:
+    """Hand-off time (the decode worker's Decode start to its import committed: allocation,
+    pull, writes) over the client's TTFT, for the requests of one kind."""
+    shares = [
+        m.kv_transfer_ms / (m.result.ttft_s * 1000)
+        for m in measured
+        if m.kind == kind and m.result.ok and m.result.ttft_s > 0
+    ]
+    return {
+        "mean_share": sum(shares) / len(shares) if shares else math.nan,
+        "p50_share": percentile(shares, 50),
+        "max_share": max(shares, default=math.nan),
+        "mean_ms": sum(m.kv_transfer_ms for m in measured if m.kind == kind)
+        / max(1, sum(m.kind == kind for m in measured)),
+    }
+
+
 def mode_report(
-    mode: str, measured: list[Measured], duration_s: float, slo: Slo, decode: Process | None
+    mode: str,
+    quiet: list[Measured],
+    mixed: list[Measured],
+    duration_s: float,
+    slo: Slo,
+    kv: tuple[KvCounters, KvCounters] | None,
 ) -> dict[str, Any]:
-    """Figures of one mode; KV transfer only when split."""
-    chat = [m.result for m in measured if m.kind == "chat"]
-    long = [m.result for m in measured if m.kind == "long"]
+    """Figures of one mode; KV transfer only when split (`kv`: counters before/after the mix)."""
     report: dict[str, Any] = {
         "mode": mode,
-        "all": summarize([m.result for m in measured], duration_s, slo),
-        "chat": summarize(chat, duration_s, slo),
-        "long": summarize(long, duration_s, slo),
+        "quiet_long_ttft": distribution([m.result.ttft_s for m in quiet if m.result.ok]),
+        "all": summarize([m.result for m in mixed], duration_s, slo),
+        "chat": summarize([m.result for m in mixed if m.kind == "chat"], duration_s, slo),
+        "long": summarize([m.result for m in mixed if m.kind == "long"], duration_s, slo),
     }
-    if decode is not None:
-        moved = decode.metric("kvmesh:kv_transfer_bytes_total", 'direction="received"')
-        seconds = decode.metric("kvmesh:kv_transfer_seconds_sum")
-        # The hand-off as the decode worker reports it: from its Decode start to the import
-        # committed (allocation, the pull, the writes), over the long prompts' TTFT.
-        shares = [
-            m.kv_transfer_ms / (m.result.ttft_s * 1000)
-            for m in measured
-            if m.kind == "long" and m.result.ok and m.result.ttft_s > 0
-        ]
+    if kv is not None:
+        before, after = kv
+        moved = after.bytes - before.bytes
+        seconds = after.pull_seconds - before.pull_seconds
         report["kv"] = {
             "bytes": moved,
             "pull_seconds": seconds,
             "mb_per_s": moved / seconds / 1e6 if seconds else math.nan,
-            "mean_share": sum(shares) / len(shares) if shares else math.nan,
-            "p50_share": percentile(shares, 50),
-            "max_share": max(shares, default=math.nan),
+            "loaded": _handoff_shares(mixed, "long"),
+            "quiet": _handoff_shares(quiet, "quiet"),
         }
     return report
 
@@ -371,11 +424,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             mesh = Mesh()
             try:
                 await start_mesh(mode, args, state, mesh)
-                started = time.perf_counter()
-                measured = await run_load(mesh, args, prompts)
-                duration = time.perf_counter() - started
                 decode = mesh.workers[1] if mode == "disaggregated" else None
-                modes.append(mode_report(mode, measured, duration, slo, decode))
+                async with insecure_channel(mesh.router.address) as channel:
+                    stub = router_pb2_grpc.RouterStub(channel)
+                    await warm_up(stub, args, prompts)
+                    quiet = await run_quiet(stub, args, prompts)
+                    before = KvCounters.read(decode) if decode is not None else None
+                    started = time.perf_counter()
+                    mixed = await run_mixed(stub, args, prompts)
+                    duration = time.perf_counter() - started
+                kv = None
+                if decode is not None and before is not None:
+                    kv = (before, KvCounters.read(decode))
+                modes.append(mode_report(mode, quiet, mixed, duration, slo, kv))
                 print(json.dumps(modes[-1]["chat"]["itl"]), flush=True)
             finally:
                 await mesh.stop()
@@ -422,6 +483,10 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {mode['all']['completed']} | {mode['all']['goodput']:.3f} |"
         )
     lines.append("")
+    alone = ", ".join(
+        f"{m['mode']} {m['quiet_long_ttft']['mean_ms']:.0f} ms" for m in report["modes"]
+    )
+    lines.append(f"A {args['long_prompt']}-token prompt alone on the idle mesh, TTFT: {alone}.")
     if set(MODES) <= set(by_mode):
         colocated = by_mode["colocated"]["chat"]["itl"]["p99_ms"]
         split = by_mode["disaggregated"]["chat"]["itl"]["p99_ms"]
@@ -433,11 +498,16 @@ def markdown(report: dict[str, Any]) -> str:
         )
     kv = by_mode.get("disaggregated", {}).get("kv")
     if kv:
-        verdict = "met" if kv["mean_share"] < KV_SHARE_GOAL else "not met"
+        loaded, quiet = kv["loaded"], kv["quiet"]
+        verdict = "met" if loaded["mean_share"] < KV_SHARE_GOAL else "not met"
+        quiet_ttft = by_mode["disaggregated"]["quiet_long_ttft"]["mean_ms"]
         lines.append(
-            f"KV transfer (split): {kv['bytes'] / 1e6:.0f} MB in {kv['pull_seconds']:.2f} s of "
-            f"pulls, {kv['mb_per_s']:.0f} MB/s; share of the long prompts' TTFT: mean "
-            f"{kv['mean_share']:.1%}, p50 {kv['p50_share']:.1%} (goal < 10 %: {verdict})."
+            f"KV hand-off (split; Decode start to import committed, over the long prompts' "
+            f"TTFT): under the mixed load mean {loaded['mean_share']:.1%}, p50 "
+            f"{loaded['p50_share']:.1%} ({loaded['mean_ms']:.0f} ms; goal < 10 %: {verdict}); "
+            f"on an idle mesh {quiet['mean_share']:.1%} ({quiet['mean_ms']:.0f} ms of "
+            f"{quiet_ttft:.0f} ms TTFT, {args['quiet_long']} prompts). Pulls under load moved "
+            f"{kv['bytes'] / 1e6:.0f} MB in {kv['pull_seconds']:.1f} s: {kv['mb_per_s']:.0f} MB/s."
         )
     agreed = report.get("agreement")
     if agreed:
@@ -477,6 +547,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--long-prompt", type=int, default=1000)
     parser.add_argument("--long-output", type=int, default=8)
     parser.add_argument("--long-rate", type=float, default=0.15, help="long prompts per second")
+    parser.add_argument("--quiet-long", type=int, default=3, help="long prompts on an idle mesh")
     parser.add_argument("--slo-ttft-s", type=float, default=15.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=300.0)
     parser.add_argument("--agreement-prompts", type=int, default=32)
