@@ -45,7 +45,7 @@ def add_stack_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
         "--worker-arg",
         action="append",
         default=[],
-        help="extra flag for every worker (repeatable), e.g. --worker-arg=--kv-blocks=256",
+        help="extra flag for every worker (repeatable), e.g. --worker-arg=--num-kv-blocks=256",
     )
     up.set_defaults(func=cmd_up)
 

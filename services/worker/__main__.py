@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from kvmesh.config import load_config
 from kvmesh.grpc_server import GrpcServer, ServiceBinding, configure_logging, serve
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
+from services.worker.backends import EngineBackend, create_engine
 from services.worker.config import WorkerConfig
-from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.config import EngineConfig
 from services.worker.leases import LeaseSweeper, LeaseTable
 from services.worker.servicer import WorkerServicer
@@ -34,6 +34,7 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         num_threads=config.num_threads or None,
+        block_size=config.block_size,
     )
 
 
@@ -41,7 +42,7 @@ def engine_config(config: WorkerConfig) -> EngineConfig:
 class Worker:
     """A worker's parts, wired: engine, lease table and sweeper, servicer, gRPC server."""
 
-    engine: AsyncEngine
+    engine: EngineBackend
     servicer: WorkerServicer
     sweeper: LeaseSweeper
     server: GrpcServer
@@ -61,10 +62,12 @@ class Worker:
         await self.server.stop(0)
 
 
-def build_worker(config: WorkerConfig, engine: AsyncEngine | None = None) -> Worker:
+def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> Worker:
     """A worker around `engine` (loaded from the config when None), not yet started."""
     config.validate()
-    engine = engine or AsyncEngine.from_config(engine_config(config))
+    engine = engine or create_engine(
+        config.engine, engine_config(config), kv_wire_format=config.kv_wire_format
+    )
     leases = LeaseTable(default_ttl_s=config.lease_ttl_s)
     # The lease names this worker's address, known only once the server has bound its port.
     servers: list[GrpcServer] = []

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvmesh.config import ServerConfig
+from services.worker.backends import ENGINE_KINDS
 
 ROLES = ("prefill", "decode", "both")
 
@@ -53,6 +54,13 @@ class WorkerConfig(ServerConfig):
     """Largest data piece of one KvChunk on PullKv (at most 1 MiB)."""
     kv_send_max_mb_s: float = 0.0
     """Cap on the rate this worker sends KV on PullKv, in MB/s (10**6 bytes); 0: no cap."""
+    engine: str = "native"
+    """Engine backend: "native" (kvmesh's own) or "vllm" (needs the kvmesh[vllm] extra)."""
+    kv_wire_format: str = "vllm"
+    """vLLM backend only: KV byte order on the wire, "vllm" (its own) or "native" (so native
+    workers can pull its blocks; needs block_size 32 on both sides)."""
+    block_size: int = 16
+    """Tokens per KV block (vLLM's CPU kernels need a multiple of 32 to exchange blocks)."""
 
     def validate(self) -> None:
         """Raises ValueError naming the first setting out of range."""
@@ -64,6 +72,10 @@ class WorkerConfig(ServerConfig):
             raise ValueError("lease_ttl_s and lease_sweep_interval_s must be positive")
         if self.kv_send_max_mb_s < 0:
             raise ValueError(f"kv_send_max_mb_s must be >= 0, got {self.kv_send_max_mb_s}")
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"engine must be one of {ENGINE_KINDS}, got {self.engine!r}")
+        if self.kv_wire_format not in ("vllm", "native"):
+            raise ValueError(f"kv_wire_format must be vllm or native, got {self.kv_wire_format!r}")
 
     @property
     def serves_prefill(self) -> bool:

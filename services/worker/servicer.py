@@ -50,7 +50,7 @@ from services.worker.kv_transfer import BlockAssembler, Pacer, check_compatible,
 from services.worker.leases import Lease, LeaseTable
 
 if TYPE_CHECKING:
-    from services.worker.engine.async_engine import AsyncEngine
+    from services.worker.backends import EngineBackend
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
@@ -106,11 +106,11 @@ class _StreamState:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Implements kvmesh.v1.Worker over one AsyncEngine."""
+    """Implements kvmesh.v1.Worker over one engine backend (native or vLLM)."""
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineBackend,
         config: WorkerConfig,
         leases: LeaseTable,
         address: Callable[[], str],
