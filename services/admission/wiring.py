@@ -46,7 +46,10 @@ def build_gateway(config: AdmissionConfig) -> Assembly:
     """The Gateway for `config` (channels connect lazily: nothing is contacted yet)."""
     router_channel = insecure_channel(config.router)
     router = RouterClient(router_channel, cancel_grace_s=config.cancel_grace_s)
-    hooks: list[StopHook] = []
+    # The model list is polled in the background: no trace per poll.
+    catalog_channel = insecure_channel(config.router, traced=False)
+    catalog_router = RouterClient(catalog_channel, cancel_grace_s=config.cancel_grace_s)
+    hooks: list[StopHook] = [lambda: catalog_channel.close()]
     cache = None
     if config.cache:
         cache_channel = insecure_channel(config.cache)
@@ -62,7 +65,7 @@ def build_gateway(config: AdmissionConfig) -> Assembly:
         meter = RedisMeter(redis, config.redis_prefix)
         hooks.append(redis.aclose)
     catalog = ModelCatalog(
-        router.list_models,
+        catalog_router.list_models,
         tokenizer_specs=parse_tier_map(config.model_path, "model_path"),
         default_tokenizer=config.default_tokenizer,
         default_model=config.default_model,

@@ -47,7 +47,7 @@ class WorkerMonitor:
                 status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
                 self._record(address, None, f"health: {status}")
                 return False
-            stats = await self.peers.worker(address).Stats(
+            stats = await self.peers.worker(address, traced=False).Stats(
                 worker_pb2.StatsRequest(include_block_hashes=True), timeout=self.timeout_s
             )
         except grpc.aio.AioRpcError as error:

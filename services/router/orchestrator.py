@@ -19,6 +19,7 @@ Rules (see DESIGN.md, "Reliability"):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -284,9 +285,8 @@ class Orchestrator:
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
         call = self.peers.worker(address).Generate(timeout=_time_left(deadline))
         try:
-            await call.write(worker_pb2.WorkerGenerateMessage(request=request))
             # The router stops a worker by cancelling the call, never by a Cancel message.
-            await call.done_writing()
+            await _send_only(call, worker_pb2.WorkerGenerateMessage(request=request))
             async for event in call:
                 yield event
         except grpc.aio.AioRpcError as error:
@@ -328,14 +328,14 @@ class Orchestrator:
         call = self.peers.worker(decode_address).Decode(timeout=_time_left(deadline))
         decoding = False
         try:
-            await call.write(
+            await _send_only(
+                call,
                 worker_pb2.DecodeMessage(
                     start=worker_pb2.DecodeRequest(
                         request=request, lease=prefilled.lease, first_token=prefilled.first_token
                     )
-                )
+                ),
             )
-            await call.done_writing()
             async for event in call:
                 decoding = True
                 yield event
@@ -387,6 +387,16 @@ def _downstream_request(
     downstream.model = tier
     downstream.request_id = request_id if attempt == 1 else f"{request_id}~{attempt}"
     return downstream
+
+
+async def _send_only(call: Any, message: Any) -> None:
+    """Writes a call's one message and closes its sending side.
+
+    A call the worker already ended (it died, or refused at once) raises InvalidStateError on
+    write; reading the call then raises its real status, which the retry rules act on."""
+    with contextlib.suppress(asyncio.InvalidStateError):
+        await call.write(message)
+        await call.done_writing()
 
 
 def _time_left(deadline: float | None) -> float | None:

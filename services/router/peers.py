@@ -1,4 +1,8 @@
-"""One gRPC channel per worker address, shared by the monitor and the orchestrator."""
+"""gRPC channels to the workers: traced ones for requests, untraced ones for the monitor.
+
+The monitor's health checks and Stats refreshes belong to no request; a trace per poll would
+bury the requests' traces.
+"""
 
 from __future__ import annotations
 
@@ -15,21 +19,21 @@ from kvmesh.v1 import worker_pb2_grpc
 class Peers:
     """Channels to the workers, opened on first use and kept (gRPC reconnects by itself)."""
 
-    _channels: dict[str, grpc.aio.Channel] = field(default_factory=dict)
+    _channels: dict[tuple[str, bool], grpc.aio.Channel] = field(default_factory=dict)
 
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
+    def _channel(self, address: str, traced: bool) -> grpc.aio.Channel:
+        channel = self._channels.get((address, traced))
         if channel is None:
-            channel = self._channels[address] = insecure_channel(address)
+            channel = self._channels[address, traced] = insecure_channel(address, traced)
         return channel
 
-    def worker(self, address: str) -> worker_pb2_grpc.WorkerStub:
-        """The Worker stub of `address`."""
-        return worker_pb2_grpc.WorkerStub(self._channel(address))
+    def worker(self, address: str, traced: bool = True) -> worker_pb2_grpc.WorkerStub:
+        """The Worker stub of `address`; traced=False for background polling."""
+        return worker_pb2_grpc.WorkerStub(self._channel(address, traced))
 
     def health(self, address: str) -> health_pb2_grpc.HealthStub:
-        """The standard health stub of `address`."""
-        return health_pb2_grpc.HealthStub(self._channel(address))
+        """The standard health stub of `address` (untraced: only the monitor polls it)."""
+        return health_pb2_grpc.HealthStub(self._channel(address, traced=False))
 
     async def close(self) -> None:
         """Closes every channel (at shutdown)."""
