@@ -25,10 +25,10 @@ QUEUE_TIME = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 REQUESTS_RUNNING = Gauge(
-    "kvmesh:num_requests_running", "Requests admitted toward the router.", ["priority"]
+    "kvmesh:admission_requests_running", "Requests admitted toward the router.", ["priority"]
 )
 REQUESTS_WAITING = Gauge(
-    "kvmesh:num_requests_waiting", "Requests waiting in the admission queue.", ["priority"]
+    "kvmesh:admission_requests_waiting", "Requests waiting in the admission queue.", ["priority"]
 )
 REQUESTS_SHED = Counter(
     "kvmesh:requests_shed_total",
@@ -47,7 +47,9 @@ TENANT_TOKENS = Counter(
 )
 TENANT_COST = Counter("kvmesh:tenant_cost_usd_total", "Dollars metered per tenant.", ["tenant"])
 RESPONSE_CACHE_LOOKUPS = Counter(
-    "kvmesh:response_cache_lookups_total", "Response-cache lookups by result.", ["result"]
+    "kvmesh:gateway_response_cache_lookups_total",
+    "Response-cache lookups seen from the gateway, by result (hit, miss, error).",
+    ["result"],
 )
 BACKEND_ERRORS = Counter(
     "kvmesh:admission_backend_errors_total",

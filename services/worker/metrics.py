@@ -40,7 +40,9 @@ INTER_TOKEN_LATENCY = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 REQUESTS_FINISHED = Counter(
-    "kvmesh:request_success", "Requests that ended, by RPC and finish reason.", ["rpc", "reason"]
+    "kvmesh:worker_requests_finished",
+    "Requests that ended, by RPC and finish reason.",
+    ["rpc", "reason"],
 )
 GENERATION_TOKENS = Counter(
     "kvmesh:generation_tokens", "Tokens generated and streamed, by RPC.", ["rpc"]

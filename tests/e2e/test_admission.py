@@ -382,11 +382,11 @@ async def test_redis_down_means_misses_and_hits_resume_when_it_is_back(mesh: Mes
 
 
 def waiting(gateway: ServiceProcess, priority: str) -> float:
-    """The gateway's kvmesh:num_requests_waiting gauge for a priority."""
+    """The gateway's kvmesh:admission_requests_waiting gauge for a priority."""
     url = f"http://127.0.0.1:{gateway.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
-    line = f'kvmesh:num_requests_waiting{{priority="{priority}"}} '
+    line = f'kvmesh:admission_requests_waiting{{priority="{priority}"}} '
     found = [row for row in text.splitlines() if row.startswith(line)]
     return float(found[0].split()[-1]) if found else 0.0
 
