@@ -105,11 +105,11 @@ class Scheduler:
                 budget -= num_new
         # After a preemption the pool is short: admitting new work would only thrash.
         if not out.preempted:
-            budget = self._admit_waiting(scheduled, budget)
+            self._admit_waiting(scheduled, budget)
         out.chunks = list(scheduled.values())
         return out
 
-    def _admit_waiting(self, scheduled: dict[RequestState, ScheduledChunk], budget: int) -> int:
+    def _admit_waiting(self, scheduled: dict[RequestState, ScheduledChunk], budget: int) -> None:
         for priority in Priority:
             queue = self.waiting[priority]
             while queue and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -118,7 +118,7 @@ class Scheduler:
                 num_cached = len(cached) * self.kv.block_size
                 num_new = min(state.num_tokens - num_cached, budget)
                 if not self.kv.admit(state, cached, num_new):
-                    return budget  # the head doesn't fit: nobody behind it jumps the queue
+                    return  # the head doesn't fit: nobody behind it jumps the queue
                 queue.popleft()
                 state.num_computed_tokens = num_cached
                 if not state.admitted_once:
@@ -128,7 +128,6 @@ class Scheduler:
                 self.running.append(state)
                 scheduled[state] = _chunk(state, num_cached, num_new)
                 budget -= num_new
-        return budget
 
     def _preempt(self, state: RequestState) -> None:
         self.running.remove(state)
