@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -31,6 +32,13 @@ async def redis() -> AsyncIterator[tuple[Redis, str]]:
         await client.aclose()
 
 
+def mid_minute() -> float:
+    """A fixed clock in the middle of the current minute: counting tests never straddle two
+    fixed one-minute windows, however slow the machine."""
+    frozen = (time.time() // 60) * 60 + 30
+    return frozen
+
+
 def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -39,8 +47,9 @@ def closed_port() -> int:
 
 async def test_two_gateways_share_one_budget(redis: tuple[Redis, str]) -> None:
     client, prefix = redis
-    first = Quotas(RedisCounters(client, prefix), fallback=MemoryCounters())
-    second = Quotas(RedisCounters(client, prefix), fallback=MemoryCounters())
+    now = mid_minute()
+    first = Quotas(RedisCounters(client, prefix), fallback=MemoryCounters(), clock=lambda: now)
+    second = Quotas(RedisCounters(client, prefix), fallback=MemoryCounters(), clock=lambda: now)
     held = await first.reserve(ACME, 600)
     with pytest.raises(ResourceExhausted) as raised:
         await second.reserve(ACME, 600)
@@ -52,7 +61,8 @@ async def test_two_gateways_share_one_budget(redis: tuple[Redis, str]) -> None:
 
 async def test_concurrent_reservations_never_overshoot(redis: tuple[Redis, str]) -> None:
     client, prefix = redis
-    gateways = [Quotas(RedisCounters(client, prefix)) for _ in range(4)]
+    now = mid_minute()
+    gateways = [Quotas(RedisCounters(client, prefix), clock=lambda: now) for _ in range(4)]
 
     async def try_reserve(quotas: Quotas) -> bool:
         try:
