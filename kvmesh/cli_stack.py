@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import math
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -77,6 +78,11 @@ def add_stack_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
     scale.set_defaults(func=cmd_scale)
 
 
+def _console() -> Console:
+    """A terminal's own width; piped output gets room for the whole table, not 80 columns."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     options = StackOptions(
         model=args.model,
@@ -108,7 +114,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         api_key=args.api_key,
     )
-    console = Console()
+    console = _console()
     columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("requests", total=spec.num_requests)
@@ -162,7 +168,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 f"{stats.tokens_per_second:.1f}",
                 str(pool.recommended_replicas) if index == 0 else "",
             )
-    Console().print(table)
+    _console().print(table)
     return 0
 
 

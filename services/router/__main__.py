@@ -15,6 +15,7 @@ from services.router.monitor import WorkerMonitor
 from services.router.orchestrator import Orchestrator
 from services.router.peers import Peers
 from services.router.pools import PoolRegistry
+from services.router.scaling import ScalingPolicy
 from services.router.servicer import RouterServicer
 from services.router.tiers import load_pools
 
@@ -49,7 +50,13 @@ def build_router(config: RouterConfig) -> Router:
     config.validate()
     registry = PoolRegistry(load_pools(config.config))
     peers = Peers()
-    monitor = WorkerMonitor(registry, peers, config.refresh_interval_s, config.check_timeout_s)
+    scaling = ScalingPolicy(
+        target_throughput_utilization=config.scale_target_utilization,
+        warm_buffer=config.scale_warm_buffer,
+    )
+    monitor = WorkerMonitor(
+        registry, peers, config.refresh_interval_s, config.check_timeout_s, scaling
+    )
     orchestrator = Orchestrator(
         registry, peers, monitor, config.load_cost_tokens, config.lease_ttl_ms
     )

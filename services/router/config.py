@@ -29,6 +29,10 @@ class RouterConfig(ServerConfig):
     """Prefix-cache hit tokens one request already on a worker is worth, when placing prefill:
     a worker wins with a longer cached prefix unless it carries this many tokens' worth more
     load per extra request."""
+    scale_warm_buffer: int = 0
+    """Idle replicas the scaling signal recommends on top of what the load needs."""
+    scale_target_utilization: float = 0.7
+    """Fraction of a worker's measured tokens/s the scaling signal plans for."""
     lease_ttl_ms: int = 0
     """KV lease TTL the router asks prefill workers for; 0 takes each worker's default."""
 

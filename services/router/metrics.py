@@ -28,3 +28,9 @@ TIME_TO_FIRST_TOKEN = Histogram(
 HEALTHY_WORKERS = Gauge(
     "kvmesh:router_workers_in_rotation", "Workers in rotation, by tier and pool.", ["tier", "pool"]
 )
+RECOMMENDED_REPLICAS = Gauge(
+    "kvmesh:router_recommended_replicas",
+    "Replicas each pool should have for its load (throughput, KV usage, queue) plus the warm"
+    " buffer, by tier and pool.",
+    ["tier", "pool"],
+)

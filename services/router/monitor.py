@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2
 from kvmesh.v1 import worker_pb2
 from services.router import metrics
 from services.router.peers import Peers
-from services.router.pools import PoolRegistry
+from services.router.pools import PoolRegistry, Role
+from services.router.scaling import ScalingPolicy, recommended_replicas, worker_load
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class WorkerMonitor:
     peers: Peers
     interval_s: float
     timeout_s: float
+    scaling: ScalingPolicy = field(default_factory=ScalingPolicy)
     _task: asyncio.Task[None] | None = None
 
     async def check(self, address: str) -> bool:
@@ -73,11 +75,23 @@ class WorkerMonitor:
         await self.check_many(self.registry.addresses())
         self._export_gauges()
 
+    def recommended(self, tier: str, role: Role) -> int:
+        """Replicas the pool should have for the load its workers reported last."""
+        spec = self.registry.tier(tier)
+        workers = self.registry.workers(tier, role)
+        return recommended_replicas(
+            [worker_load(w) for w in workers], spec.tokens_per_second, self.scaling
+        )
+
     def _export_gauges(self) -> None:
         for tier in self.registry.tiers:
             for worker_role in {w.role for w in self.registry.workers(tier.name)}:
-                metrics.HEALTHY_WORKERS.labels(tier.name, worker_role.value).set(
+                labels = (tier.name, worker_role.value)
+                metrics.HEALTHY_WORKERS.labels(*labels).set(
                     len(self.registry.in_rotation(tier.name, worker_role))
+                )
+                metrics.RECOMMENDED_REPLICAS.labels(*labels).set(
+                    self.recommended(tier.name, worker_role)
                 )
 
     def start(self) -> None:

@@ -11,6 +11,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.router.pools import WorkerState
+
 
 @dataclass(slots=True, frozen=True)
 class ScalingPolicy:
@@ -58,3 +60,16 @@ def recommended_replicas(
     for_queue = current + math.ceil(waiting / policy.waiting_per_replica) if waiting else 0
     need = max(policy.min_replicas, for_throughput, for_kv, for_queue)
     return need + policy.warm_buffer
+
+
+def worker_load(worker: WorkerState) -> WorkerLoad:
+    """A worker's load as its latest Stats reported it (nothing known yet: idle)."""
+    stats = worker.stats
+    if stats is None:
+        return WorkerLoad(tokens_per_second=0.0, waiting=0, kv_blocks_used=0, kv_blocks_total=0)
+    return WorkerLoad(
+        tokens_per_second=stats.tokens_per_second,
+        waiting=stats.waiting,
+        kv_blocks_used=stats.kv_blocks_total - stats.kv_blocks_free,
+        kv_blocks_total=stats.kv_blocks_total,
+    )

@@ -21,7 +21,6 @@ from kvmesh.v1 import common_pb2, gateway_pb2, router_pb2, router_pb2_grpc, work
 from services.router.monitor import WorkerMonitor
 from services.router.orchestrator import Orchestrator
 from services.router.pools import PoolRegistry, Role, WorkerState
-from services.router.scaling import ScalingPolicy, WorkerLoad, recommended_replicas
 from services.streams import CancelWatch, Coalescer, first_message
 
 _tracer = tracer(__name__)
@@ -41,12 +40,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         registry: PoolRegistry,
         orchestrator: Orchestrator,
         monitor: WorkerMonitor,
-        scaling: ScalingPolicy | None = None,
     ) -> None:
         self.registry = registry
         self.orchestrator = orchestrator
         self.monitor = monitor
-        self.scaling = scaling or ScalingPolicy()
         self._background: set[asyncio.Task[None]] = set()
 
     async def Generate(
@@ -139,9 +136,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         tier=tier.name,
                         role=role.proto,
                         workers=[_worker_status(w) for w in workers],
-                        recommended_replicas=recommended_replicas(
-                            [_load(w) for w in workers], tier.tokens_per_second, self.scaling
-                        ),
+                        recommended_replicas=self.monitor.recommended(tier.name, role),
                     )
                 )
         return router_pb2.RouterStatusResponse(pools=pools)
@@ -162,15 +157,3 @@ def _worker_status(worker: WorkerState) -> router_pb2.WorkerStatus:
         del stats.cached_block_hashes[:]  # the count stays; the hashes are placement detail
         status.stats.CopyFrom(stats)
     return status
-
-
-def _load(worker: WorkerState) -> WorkerLoad:
-    stats = worker.stats
-    if stats is None:
-        return WorkerLoad(tokens_per_second=0.0, waiting=0, kv_blocks_used=0, kv_blocks_total=0)
-    return WorkerLoad(
-        tokens_per_second=stats.tokens_per_second,
-        waiting=stats.waiting,
-        kv_blocks_used=stats.kv_blocks_total - stats.kv_blocks_free,
-        kv_blocks_total=stats.kv_blocks_total,
-    )

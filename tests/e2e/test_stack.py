@@ -237,6 +237,18 @@ def test_one_trace_per_request_across_all_five_processes(stack: RunningStack) ->
     assert generation["attributes"]["gen_ai.request.model"] == TIER
 
 
+def test_status_and_the_scaling_signal(stack: RunningStack) -> None:
+    router = f"127.0.0.1:{50052 + stack.offset}"
+    reply = stack.cli("status", "--router", router)
+    assert reply.returncode == 0, reply.stderr
+    assert "prefill" in reply.stdout and "decode" in reply.stdout
+    samples = scrape(stack.metrics_url(9452 + stack.offset))
+    # An idle pool needs its minimum of one replica (the default warm buffer is 0).
+    for pool in ("prefill", "decode"):
+        assert metric(samples, "kvmesh:router_recommended_replicas", tier=TIER, pool=pool) == 1
+        assert metric(samples, "kvmesh:router_workers_in_rotation", tier=TIER, pool=pool) == 1
+
+
 async def stream_tokens(
     target: str, max_tokens: int, started: asyncio.Event
 ) -> kvmesh.client.GenerationResult:

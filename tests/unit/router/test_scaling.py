@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from services.router.scaling import ScalingPolicy, WorkerLoad, recommended_replicas
+from kvmesh.v1 import worker_pb2
+from services.router.pools import Role, WorkerState
+from services.router.scaling import ScalingPolicy, WorkerLoad, recommended_replicas, worker_load
 
 POLICY = ScalingPolicy(
     target_throughput_utilization=0.5, target_kv_usage=0.5, waiting_per_replica=2, warm_buffer=1
@@ -36,3 +38,12 @@ def test_queue_pressure() -> None:
     queued = WorkerLoad(tokens_per_second=0.0, waiting=5, kv_blocks_used=0, kv_blocks_total=100)
     # 1 worker + ceil(5 / 2) = 4, plus 1 warm = 5
     assert recommended_replicas([queued], 100.0, POLICY) == 5
+
+
+def test_worker_load_from_stats() -> None:
+    worker = WorkerState("127.0.0.1:1", "tiny", Role.DECODE)
+    assert worker_load(worker) == WorkerLoad(0.0, 0, 0, 0)
+    worker.stats = worker_pb2.WorkerStats(
+        tokens_per_second=12.5, waiting=3, kv_blocks_free=40, kv_blocks_total=100
+    )
+    assert worker_load(worker) == WorkerLoad(12.5, 3, 60, 100)
