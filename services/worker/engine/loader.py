@@ -24,7 +24,7 @@ from services.worker.engine.model_files import (
     read_json,
     resolve_model_path,
 )
-from services.worker.engine.models.llama import LlamaModel, ModelConfig
+from services.worker.engine.models.llama import LlamaModel, ModelConfig, split_rope_rows
 from services.worker.engine.quant import quantize_model_int8
 from services.worker.engine.tokenizer import Tokenizer
 
@@ -218,25 +218,13 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
         if array.dtype != np.float32 or not array.flags.writeable:  # F32/F16: views of the file
             array = array.astype(np.float32)
         weight = torch.from_numpy(array)
+        # llama.cpp stores Q/K rows with rotary pairs interleaved; back to Hugging Face order.
         if hf_name.endswith("q_proj.weight"):
-            weight = unpermute_rope_rows(weight, config.num_heads)
+            weight = split_rope_rows(weight, config.num_heads)
         elif hf_name.endswith("k_proj.weight"):
-            weight = unpermute_rope_rows(weight, config.num_kv_heads)
+            weight = split_rope_rows(weight, config.num_kv_heads)
         weights[hf_name] = weight
     return config, weights, Tokenizer.from_gguf_fields(fields, source=str(path))
-
-
-def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's convert-time permutation of Q/K rows (interleaved rope pairs back to
-    Hugging Face's half-split layout)."""
-    rows = weight.shape[0]
-    half_dim = rows // num_heads // 2
-    return (
-        weight.reshape(num_heads, half_dim, 2, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(weight.shape)
-        .contiguous()
-    )
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

@@ -20,7 +20,8 @@ AGREEMENT_PROMPTS = [
     "Water boils at a temperature of",
 ]
 AGREEMENT_TOKENS = 16
-# Measured 0.969 (93/96 positions) on these prompts; wrong scales or a broken kernel give ~0.
+# Measured 0.95-0.97 (91-93 of 96 positions) on these prompts; wrong scales or a broken
+# kernel give ~0.
 AGREEMENT_FLOOR = 0.90
 
 

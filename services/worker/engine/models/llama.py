@@ -151,30 +151,75 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryTables(nn.Module):
-    """cos and signed-sin tables for every position, so applying RoPE costs three kernels:
-    x * cos + roll(x, half) * sin_signed (roll swaps the halves; sin_signed = [-sin, sin])."""
+    """e^(i * position * frequency) for every position and rotary pair.
 
-    cos: torch.Tensor
-    sin_signed: torch.Tensor
+    Q/K rows are stored with each rotary pair (d, d + head_dim/2) in adjacent dims (the
+    "interleaved" order llama.cpp uses too; see interleave_rope_rows), so applying RoPE is one
+    complex multiply instead of the three kernels of the half-split formulation. Attention is
+    unchanged because Q and K share the permutation."""
+
+    rotations: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         inv_freq = rope_inverse_frequencies(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], dim=-1), persistent=False)
+        angles = torch.outer(positions, inv_freq)
         self.register_buffer(
-            "sin_signed", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False
+            "rotations", torch.polar(torch.ones_like(angles), angles), persistent=False
         )
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, head_dim] cos and signed sin for the given positions."""
-        return self.cos[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, 1, head_dim / 2] complex rotations for the given positions."""
+        return self.rotations[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.addcmul(x * cos, torch.roll(x, half, dims=-1), sin_signed)
+def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] in interleaved pair order -> rotated copy (same dtype)."""
+    pairs = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
+
+
+def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Hugging Face Q/K rows (each head: first halves, then second halves of the rotary pairs)
+    -> pairs adjacent. The same permutation llama.cpp applies when it writes a GGUF."""
+    rows, cols = weight.shape
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, 2, half, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def split_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of interleave_rope_rows (also turns GGUF Q/K back into Hugging Face order)."""
+    rows, cols = weight.shape
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed as one LayerNorm over the row [x, -x].
+
+    That row has mean 0 and variance mean(x^2), so LayerNorm's first half is exactly
+    x * rsqrt(mean(x^2) + eps). F.rms_norm runs as six kernels on the CPU; this is three
+    (neg, cat, layer_norm), which matters at batch 1, where ~60 norms per step sit between
+    matmuls that stream the weights and leave every small kernel cold. `weight` holds the
+    Hugging Face weight twice, since LayerNorm scales the whole doubled row."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(2 * size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size = x.shape[-1]
+        doubled = torch.cat([x, x.neg()], dim=-1)
+        return F.layer_norm(doubled, (2 * size,), self.weight, None, self.eps)[..., :size]
+
+    @staticmethod
+    def weight_from_hf(weight: torch.Tensor) -> torch.Tensor:
+        return torch.cat([weight, weight])
+
+    def hf_weight(self) -> torch.Tensor:
+        return self.weight.detach()[: self.weight.shape[0] // 2]
 
 
 class LlamaLayer(nn.Module):
@@ -183,35 +228,33 @@ class LlamaLayer(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.eps = config.rms_norm_eps
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
-        self.input_norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        self.post_attention_norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin_signed: torch.Tensor,
+        rotations: torch.Tensor,
         kv_cache: LayerKvCache,
         batch: AttentionBatch,
     ) -> torch.Tensor:
         """hidden [T, hidden_size] -> the layer's output (computed in place into `hidden`)."""
         tokens = hidden.shape[0]
-        x = F.rms_norm(hidden, (hidden.shape[-1],), self.input_norm, self.eps)
+        x = self.input_norm(hidden)
         qkv = self.qkv_proj(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        rotated = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin_signed)
+        rotated = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], rotations)
         q = rotated[:, : self.num_heads]
         k = rotated[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         attn = paged_attention(q, k, v, kv_cache, batch)
         hidden.add_(self.o_proj(attn.reshape(tokens, -1)))
-        x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attention_norm, self.eps)
+        x = self.post_attention_norm(hidden)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         # In place: the gate/up activations are this layer's largest temporaries.
         return hidden.add_(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
@@ -228,7 +271,7 @@ class LlamaModel(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size),
         )
         self.layers = nn.ModuleList(LlamaLayer(config) for _ in range(config.num_layers))
-        self.final_norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -243,10 +286,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden_size] after the last layer (before the final norm)."""
         hidden = self.embed_tokens(token_ids)
-        cos, sin_signed = self.rotary.lookup(positions)
-        cos, sin_signed = cos.to(hidden.dtype), sin_signed.to(hidden.dtype)
+        rotations = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin_signed, kv_cache, batch)
+            hidden = layer(hidden, rotations, kv_cache, batch)
         return hidden
 
     def decoder_layers(self) -> list[LlamaLayer]:
@@ -276,7 +318,8 @@ class LlamaModel(nn.Module):
         return model.eval()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights under Hugging Face names, Q/K/V and gate/up split again."""
+        """The weights under Hugging Face names: Q/K/V and gate/up split again, Q/K rows back in
+        half-split rotary order, norm weights single."""
         config = self.config
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
@@ -286,32 +329,33 @@ class LlamaModel(nn.Module):
             q, k, v = layer.qkv_proj.weight.detach().split([q_size, kv_size, kv_size])
             gate, up = layer.gate_up_proj.weight.detach().chunk(2)
             state |= {
-                prefix + "input_layernorm.weight": layer.input_norm.detach(),
-                prefix + "self_attn.q_proj.weight": q,
-                prefix + "self_attn.k_proj.weight": k,
+                prefix + "input_layernorm.weight": layer.input_norm.hf_weight(),
+                prefix + "self_attn.q_proj.weight": split_rope_rows(q, config.num_heads),
+                prefix + "self_attn.k_proj.weight": split_rope_rows(k, config.num_kv_heads),
                 prefix + "self_attn.v_proj.weight": v,
                 prefix + "self_attn.o_proj.weight": layer.o_proj.weight.detach(),
-                prefix + "post_attention_layernorm.weight": layer.post_attention_norm.detach(),
+                prefix + "post_attention_layernorm.weight": layer.post_attention_norm.hf_weight(),
                 prefix + "mlp.gate_proj.weight": gate,
                 prefix + "mlp.up_proj.weight": up,
                 prefix + "mlp.down_proj.weight": layer.down_proj.weight.detach(),
             }
-        state["model.norm.weight"] = self.final_norm.detach()
+        state["model.norm.weight"] = self.final_norm.hf_weight()
         if not config.tie_word_embeddings:
             state["lm_head.weight"] = self.lm_head.weight.detach()
         return state
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the given rows of final hidden states."""
-        x = F.rms_norm(hidden, (hidden.shape[-1],), self.final_norm, self.config.rms_norm_eps)
-        return self.lm_head(x).float()
+        return self.lm_head(self.final_norm(hidden)).float()
 
 
 def fuse_hf_weights(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face Llama weight names -> this module's (fused) parameter names."""
+    """Hugging Face Llama weights -> this module's parameters (fused projections, interleaved
+    rotary rows, doubled norm weights)."""
+    norm = RMSNorm.weight_from_hf
     fused = {
         "embed_tokens.weight": hf["model.embed_tokens.weight"],
-        "final_norm": hf["model.norm.weight"],
+        "final_norm.weight": norm(hf["model.norm.weight"]),
         "lm_head.weight": hf["model.embed_tokens.weight"]
         if config.tie_word_embeddings
         else hf["lm_head.weight"],
@@ -321,12 +365,16 @@ def fuse_hf_weights(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[st
         dst = f"layers.{i}."
         attn, mlp = src + "self_attn.", src + "mlp."
         fused |= {
-            dst + "input_norm": hf[src + "input_layernorm.weight"],
+            dst + "input_norm.weight": norm(hf[src + "input_layernorm.weight"]),
             dst + "qkv_proj.weight": torch.cat(
-                [hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"]]
+                [
+                    interleave_rope_rows(hf[attn + "q_proj.weight"], config.num_heads),
+                    interleave_rope_rows(hf[attn + "k_proj.weight"], config.num_kv_heads),
+                    hf[attn + "v_proj.weight"],
+                ]
             ),
             dst + "o_proj.weight": hf[attn + "o_proj.weight"],
-            dst + "post_attention_norm": hf[src + "post_attention_layernorm.weight"],
+            dst + "post_attention_norm.weight": norm(hf[src + "post_attention_layernorm.weight"]),
             dst + "gate_up_proj.weight": torch.cat(
                 [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
             ),
