@@ -49,9 +49,7 @@ run: $(STAMP)
 	$(BIN)/kvmesh up
 
 bench: $(STAMP)
-	$(BIN)/python -m bench.engine
-	$(BIN)/python -m bench.disagg
-	$(BIN)/python -m bench.admission
+	$(BIN)/python -m bench.all
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

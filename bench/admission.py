@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -35,12 +34,11 @@ import redis
 import yaml
 
 import kvmesh
+from bench.report import BENCHMARKS, write_results, write_section
 from kvmesh.loadgen import WORDS
 from kvmesh.stack import StackService
 from kvmesh.supervisor import Child, Supervisor
 
-RESULTS = Path("bench/results/admission.json")
-BENCHMARKS = Path("BENCHMARKS.md")
 SECTION = "## Admission"
 REDIS_URL = "redis://127.0.0.1:6379/0"
 TTFT_GOAL_RATIO = 1.5
@@ -313,17 +311,6 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_section(document: str, section: str) -> str:
-    """`document` with its Admission section replaced (or appended); other sections kept."""
-    start = document.find(SECTION + "\n")
-    if start < 0:
-        base = document if document.strip() else "# Benchmarks\n"
-        return base.rstrip("\n") + "\n\n" + section
-    following = document.find("\n## ", start + len(SECTION))
-    rest = document[following + 1 :] if following >= 0 else ""
-    return document[:start] + section + ("\n" + rest if rest else "")
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -344,11 +331,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     report = asyncio.run(run(args))
     if not args.no_write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(asdict(report), indent=2) + "\n")
-        existing = BENCHMARKS.read_text() if BENCHMARKS.exists() else ""
-        BENCHMARKS.write_text(replace_section(existing, markdown(report, args)))
-        print(f"wrote {RESULTS} and the {SECTION!r} section of {BENCHMARKS}")
+        results = write_results("admission", asdict(report))
+        write_section(markdown(report, args))
+        print(f"wrote {results} and the {SECTION!r} section of {BENCHMARKS}")
     return 0
 
 

@@ -49,14 +49,13 @@ from typing import Any
 import grpc
 import yaml
 
+from bench.report import BENCHMARKS, write_results, write_section
 from kvmesh.bench_report import RequestResult, Slo, distribution, percentile, summarize
 from kvmesh.channels import insecure_channel
 from kvmesh.grpc_server import READY_PREFIX
 from kvmesh.loadgen import WORDS
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc
 
-RESULTS = Path("bench/results/disagg.json")
-BENCHMARKS = Path("BENCHMARKS.md")
 HEADING = "## Disaggregation"
 TIER = "bench"
 MODES = ("colocated", "disaggregated")
@@ -521,17 +520,6 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def replace_section(document: str, heading: str, section: str) -> str:
-    """`document` with the section under `heading` replaced (or appended); others kept."""
-    start = document.find(heading + "\n")
-    if start < 0:
-        base = document if document.strip() else "# Benchmarks\n"
-        return base.rstrip("\n") + "\n\n" + section
-    following = document.find("\n## ", start + len(heading))
-    rest = document[following + 1 :] if following >= 0 else ""
-    return document[:start] + section + ("\n" + rest if rest else "")
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -565,11 +553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     section = markdown(report)
     print(section)
     if not args.no_write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-        existing = BENCHMARKS.read_text() if BENCHMARKS.exists() else ""
-        BENCHMARKS.write_text(replace_section(existing, HEADING, section))
-        print(f"wrote {RESULTS} and the {HEADING!r} section of {BENCHMARKS}")
+        results = write_results("disagg", report)
+        write_section(section)
+        print(f"wrote {results} and the {HEADING!r} section of {BENCHMARKS}")
     return 0
 
 

@@ -19,7 +19,6 @@ writes bench/results/engine.json and bench/results/engine.png:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -36,13 +35,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from transformers import LlamaForCausalLM
 
+from bench.report import RESULTS, write_results
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.loader import LoadedModel, load_model, save_hf_folder
 from services.worker.engine.request import EngineRequest, SamplingParams
 
 MODEL = "smollm2-135m"
-RESULTS = Path(__file__).parent / "results"
 # Enough KV for all 64 throughput requests at once (64 x 640 tokens ~ 1.9 GB in fp32).
 THROUGHPUT_KV_BYTES = 3 << 30
 AGREEMENT_QUESTIONS = [
@@ -390,12 +389,11 @@ def main() -> None:
         "load_average_after": os.getloadavg()[0],
     }
     print_table(report, console)
-    args.out.mkdir(parents=True, exist_ok=True)
     payload = {"workload": asdict(work), "rows": [asdict(r) for r in report.rows]}
     payload["details"] = report.details
-    (args.out / "engine.json").write_text(json.dumps(payload, indent=2) + "\n")
+    results = write_results("engine", payload, args.out)
     plot(report, args.out / "engine.png")
-    console.print(f"wrote {args.out / 'engine.json'} and {args.out / 'engine.png'}")
+    console.print(f"wrote {results} and {args.out / 'engine.png'}")
 
 
 def _row(name: str, ours: float, theirs: float, base: str, unit: str, goal: str, x: float) -> Row:

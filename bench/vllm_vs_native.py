@@ -14,23 +14,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from bench.disagg import replace_section
+from bench.report import BENCHMARKS, write_results, write_section
 from kvmesh.bench_report import percentile
 from services.worker.backends import create_engine
 from services.worker.backends.interface import EngineBackend
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.request import EngineRequest, SamplingParams
 
-RESULTS = Path("bench/results/vllm_vs_native.json")
-BENCHMARKS = Path("BENCHMARKS.md")
 HEADING = "## vLLM"
 
 
@@ -183,11 +179,9 @@ async def main(argv: Sequence[str] | None = None) -> None:
     section = markdown(runs, args, load_at_start)
     print(section)
     if not args.no_write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps([asdict(run) for run in runs], indent=2) + "\n")
-        existing = BENCHMARKS.read_text() if BENCHMARKS.exists() else ""
-        BENCHMARKS.write_text(replace_section(existing, HEADING, section))
-        print(f"wrote {RESULTS} and the {HEADING!r} section of {BENCHMARKS}")
+        results = write_results("vllm_vs_native", [asdict(run) for run in runs])
+        write_section(section)
+        print(f"wrote {results} and the {HEADING!r} section of {BENCHMARKS}")
 
 
 if __name__ == "__main__":
