@@ -13,7 +13,12 @@ from itertools import accumulate, chain
 
 import torch
 
-from services.worker.engine.attention import AttentionBatch, LayerKvCache, PrefillSpan
+from services.worker.engine.attention import (
+    AttentionBatch,
+    DecodeGroup,
+    LayerKvCache,
+    PrefillSpan,
+)
 from services.worker.engine.loader import LoadedModel
 from services.worker.engine.models.llama import ModelConfig
 
@@ -138,7 +143,11 @@ class ModelRunner:
             raise ValueError("empty batch")
         for entry in batch:
             self._validate(entry)
-        order = sorted(range(len(batch)), key=lambda i: len(batch[i].token_ids) != 1)
+        # Decode entries first, longest context first (so groups of similar length are runs).
+        order = sorted(
+            range(len(batch)),
+            key=lambda i: (len(batch[i].token_ids) != 1, -batch[i].start_pos),
+        )
         entries = [batch[i] for i in order]
         num_decode = sum(1 for e in entries if len(e.token_ids) == 1)
         lens = [len(e.token_ids) for e in entries]
@@ -156,11 +165,12 @@ class ModelRunner:
         )
         slots = tables[entry_of_row, positions // bs] * bs + positions % bs
 
-        decode_context = starts_t[:num_decode] + 1
-        decode_blocks = math.ceil(int(decode_context.max()) / bs) if num_decode else 0
-        decode_mask = self._additive_mask(
-            torch.arange(decode_blocks * bs) >= decode_context[:, None]
-        )
+        decode_groups = [
+            self._decode_group(entries, start, end, tables)
+            for start, end in padding_groups(
+                [math.ceil((e.start_pos + 1) / bs) for e in entries[:num_decode]]
+            )
+        ]
         prefills = [
             self._prefill_span(entries[j], row_starts[j], row_starts[j + 1], tables[j])
             for j in range(num_decode, len(entries))
@@ -177,9 +187,7 @@ class ModelRunner:
             positions=positions.to(device),
             attention=AttentionBatch(
                 slots=slots.to(device),
-                num_decode=num_decode,
-                decode_block_ids=tables[:num_decode, :decode_blocks].reshape(-1).to(device),
-                decode_mask=decode_mask.view(num_decode, 1, 1, decode_blocks * bs).to(device),
+                decode_groups=decode_groups,
                 prefills=prefills,
             ),
             logit_rows=torch.tensor(logit_rows, dtype=torch.long).to(device),
@@ -188,6 +196,20 @@ class ModelRunner:
     def _additive_mask(self, blocked: torch.Tensor) -> torch.Tensor:
         """Bool "may not attend" -> additive 0 / -inf mask (SDPA on CPU runs faster with it)."""
         return torch.zeros(blocked.shape, dtype=self.dtype).masked_fill_(blocked, -math.inf)
+
+    def _decode_group(
+        self, entries: list[BatchEntry], start: int, end: int, tables: torch.Tensor
+    ) -> DecodeGroup:
+        """Entries [start, end) (sorted longest first) padded to the first one's blocks."""
+        context = torch.tensor([e.start_pos + 1 for e in entries[start:end]])
+        blocks = math.ceil(int(context[0]) / self.block_size)
+        padding = torch.arange(blocks * self.block_size) >= context[:, None]
+        return DecodeGroup(
+            row_start=start,
+            row_end=end,
+            block_ids=tables[start:end, :blocks].reshape(-1).to(self.device),
+            mask=self._additive_mask(padding).view(end - start, 1, 1, -1).to(self.device),
+        )
 
     def _prefill_span(
         self, entry: BatchEntry, row_start: int, row_end: int, table: torch.Tensor
@@ -204,3 +226,40 @@ class ModelRunner:
             block_ids=table[: math.ceil(context / self.block_size)].to(self.device),
             mask=mask,
         )
+
+
+# Padding blocks one extra decode group is worth: the group's extra gathers and SDPA call
+# cost about as much as gathering and attending this many padding blocks (measured on CPU).
+GROUP_COST_IN_BLOCKS = 16
+
+
+def padding_groups(block_counts: list[int]) -> list[tuple[int, int]]:
+    """Split entries sorted by block count (descending) into runs [start, end) minimizing
+    padded blocks (run length x its first count) + GROUP_COST_IN_BLOCKS per run.
+
+    Exact dynamic program over the distinct counts (entries with equal counts always share a
+    run), so it costs O(distinct^2), not O(entries^2)."""
+    values: list[int] = []
+    run_ends: list[int] = []  # entries up to and including each distinct value
+    for i, count in enumerate(block_counts):
+        if values and values[-1] == count:
+            run_ends[-1] = i + 1
+        else:
+            values.append(count)
+            run_ends.append(i + 1)
+    best = [0] + [math.inf] * len(values)
+    first_of_group = [0] * (len(values) + 1)
+    for last in range(1, len(values) + 1):
+        for first in range(1, last + 1):
+            entries_before = run_ends[first - 2] if first > 1 else 0
+            padded = values[first - 1] * (run_ends[last - 1] - entries_before)
+            cost = best[first - 1] + GROUP_COST_IN_BLOCKS + padded
+            if cost < best[last]:
+                best[last], first_of_group[last] = cost, first
+    groups: list[tuple[int, int]] = []
+    last = len(values)
+    while last:
+        first = first_of_group[last]
+        groups.append((run_ends[first - 2] if first > 1 else 0, run_ends[last - 1]))
+        last = first - 1
+    return groups[::-1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,12 @@ import torch
 from transformers import LlamaForCausalLM
 
 from services.worker.engine.loader import LoadedModel, load_model
-from services.worker.engine.model_runner import BatchEntry, ModelRunner
+from services.worker.engine.model_runner import (
+    GROUP_COST_IN_BLOCKS,
+    BatchEntry,
+    ModelRunner,
+    padding_groups,
+)
 
 BLOCK_SIZE = 16
 
@@ -134,3 +140,45 @@ def test_forward_rejects_a_block_table_too_short(tiny_loaded: LoadedModel) -> No
     runner = ModelRunner(tiny_loaded, num_blocks=4)
     with pytest.raises(ValueError, match="block table"):
         runner.forward([BatchEntry(list(range(17)), 0, [0])])
+
+
+def test_decodes_of_very_different_lengths_match_hf(
+    tiny_loaded: LoadedModel, tiny_hf: LlamaForCausalLM
+) -> None:
+    """Short and long contexts in one step: attended in separate padding groups."""
+    vocab = tiny_loaded.config.vocab_size
+    lengths = [5, 300, 12, 290]
+    seqs = [sequence(20 + i, n, vocab) for i, n in enumerate(lengths)]
+    runner = ModelRunner(tiny_loaded, num_blocks=48)
+    tables, next_block = [], 0
+    for seq in seqs:
+        blocks = (len(seq) + 1 + BLOCK_SIZE - 1) // BLOCK_SIZE
+        tables.append(list(range(next_block, next_block + blocks))[::-1])
+        next_block += blocks
+    runner.forward(
+        [BatchEntry(seq[:-1], 0, table) for seq, table in zip(seqs, tables, strict=True)]
+    )
+    got = runner.forward(
+        [BatchEntry(seq[-1:], len(seq) - 1, table) for seq, table in zip(seqs, tables, strict=True)]
+    )
+    expected = torch.stack([hf_logits(tiny_hf, seq)[-1] for seq in seqs])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_padding_groups_are_optimal_contiguous_runs(seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    counts = sorted(torch.randint(1, 60, (7,), generator=generator).tolist(), reverse=True)
+
+    def cost(groups: list[tuple[int, int]]) -> int:
+        return sum(GROUP_COST_IN_BLOCKS + counts[start] * (end - start) for start, end in groups)
+
+    groups = padding_groups(counts)
+    assert groups[0][0] == 0 and groups[-1][1] == len(counts)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
+    best = min(
+        cost(list(zip((0, *cuts), (*cuts, len(counts)), strict=True)))
+        for r in range(len(counts))
+        for cuts in itertools.combinations(range(1, len(counts)), r)
+    )
+    assert cost(groups) == best
