@@ -91,14 +91,27 @@ def _to_native(blocks: torch.Tensor, shape: BlockShape) -> torch.Tensor:
     n, h, t, d = blocks.shape[0], shape.num_kv_heads, shape.block_size, shape.head_dim
     keys = blocks[:, :, : shape.half].reshape(n, h, d, t).permute(0, 3, 1, 2)
     values = blocks[:, :, shape.half :].reshape(n, h, t, d).permute(0, 2, 1, 3)
-    return torch.stack([keys, values], 1)
+    return torch.stack([_pairs_adjacent(keys), values], 1)
+
+
+def _pairs_adjacent(keys: torch.Tensor) -> torch.Tensor:
+    """Hugging Face rotary order (first halves, then second halves) -> the native engine's
+    interleaved pair order along the last dim (it keeps its Q/K projections that way)."""
+    *lead, d = keys.shape
+    return keys.reshape(*lead, 2, d // 2).transpose(-1, -2).reshape(*lead, d)
+
+
+def _halves_apart(keys: torch.Tensor) -> torch.Tensor:
+    """Inverse of _pairs_adjacent."""
+    *lead, d = keys.shape
+    return keys.reshape(*lead, d // 2, 2).transpose(-1, -2).reshape(*lead, d)
 
 
 def _from_native(blocks: torch.Tensor, shape: BlockShape) -> torch.Tensor:
     """[n, K/V, token, head, dim] (native, flat) -> [n, heads, K^T then V] (vLLM)."""
     n, h, t, d = blocks.shape[0], shape.num_kv_heads, shape.block_size, shape.head_dim
     native = blocks.reshape(n, 2, t, h, d)
-    keys = native[:, 0].permute(0, 2, 3, 1).reshape(n, h, shape.half)
+    keys = _halves_apart(native[:, 0]).permute(0, 2, 3, 1).reshape(n, h, shape.half)
     values = native[:, 1].permute(0, 2, 1, 3).reshape(n, h, shape.half)
     return torch.cat([keys, values], 2)
 
