@@ -1,10 +1,11 @@
 """Causal attention over a paged KV cache for a varlen batch (decode tokens + prefill chunks).
 
 The batch's tokens are laid out decode entries first (one token each, longest context first),
-then each prefill chunk as a contiguous run of rows. Decodes are attended in groups of similar
-context length, one padded, masked SDPA call per group (the planner trades padding against
-calls); each prefill chunk gets its own call (its queries would make a padded batch mostly
-padding).
+then each prefill chunk as a contiguous run of rows. On CPU in float32, all decodes go through
+one call of the C kernel, which reads each row's blocks in place (decode_kernel.py). Elsewhere
+they are attended in groups of similar context length, one padded, masked SDPA call per group
+(the planner trades padding against calls). Each prefill chunk gets its own SDPA call (its
+queries would make a padded batch mostly padding).
 Everything that does not change from layer to layer (flat block ids, masks, cache views) is
 built once per step or once per runner, to keep the per-layer Python work small.
 """
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from services.worker.engine.decode_kernel import DecodeKernel
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,9 +62,24 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class KernelDecode:
+    """Single-token decode entries at rows [0, rows), attended by the C kernel."""
+
+    kernel: DecodeKernel
+    block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
+    context_lens: torch.Tensor  # [rows] int64: tokens each row attends to, its own included
+
+    @property
+    def rows(self) -> int:
+        return self.context_lens.shape[0]
+
+
+@dataclass(slots=True)
 class AttentionBatch:
     slots: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of every token
+    # The decode rows go one of two ways: groups for SDPA, or all at once through the kernel.
     decode_groups: list[DecodeGroup]
+    kernel_decode: KernelDecode | None
     prefills: list[PrefillSpan]
 
 
@@ -82,6 +100,16 @@ def paged_attention(
     cache.value_slots.index_copy_(0, batch.slots, v)
     outputs: list[torch.Tensor] = []
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    if (decode := batch.kernel_decode) is not None:
+        outputs.append(
+            decode.kernel(
+                q[: decode.rows],
+                cache.key_blocks,
+                cache.value_blocks,
+                decode.block_tables,
+                decode.context_lens,
+            )
+        )
     for group in batch.decode_groups:
         entries = group.row_end - group.row_start
         keys = gather_context(cache.key_blocks, group.block_ids, entries)

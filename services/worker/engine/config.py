@@ -9,6 +9,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8")
+DECODE_ATTENTION = ("auto", "kernel", "sdpa")
 
 
 @dataclass(slots=True)
@@ -52,6 +53,11 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads for CPU inference; None leaves torch's default."""
 
+    decode_attention: str = "auto"
+    """How decode rows attend: "kernel" (the C paged-attention kernel, CPU float32 only,
+    compiled on first use), "sdpa" (gathered blocks + torch SDPA, any device), or "auto"
+    (the kernel where it applies and a C compiler is present, else SDPA)."""
+
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -61,6 +67,10 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(
+                f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
             )
         positive = {
             "block_size": self.block_size,

@@ -18,6 +18,7 @@ import torch
 
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.decode_kernel import choose_decode_kernel
 from services.worker.engine.kv_cache_manager import KvCacheManager, KvCapacityError, cdiv
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model_runner import BatchEntry, KvLayout, ModelRunner
@@ -75,7 +76,10 @@ class Engine:
             loaded.config.max_position_embeddings,
         )
         num_blocks = _num_blocks(loaded, config)
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size)
+        decode_kernel = choose_decode_kernel(
+            config.decode_attention, loaded.device, loaded.dtype, torch.get_num_threads()
+        )
+        self.runner = ModelRunner(loaded, num_blocks, config.block_size, decode_kernel)
         self.layout = self.runner.layout
         self.pool = BlockPool(num_blocks)
         self.kv = KvCacheManager(
@@ -174,11 +178,14 @@ class Engine:
 
     def export_blocks(self, handle_id: str, indices: list[int]) -> list[bytes]:
         """Bytes of some of a handle's blocks (KeyError: unknown handle)."""
-        blocks = self.kv.held_blocks(handle_id)
-        for index in indices:
-            if not 0 <= index < len(blocks):
-                raise ValueError(f"block index {index} outside the handle's {len(blocks)} blocks")
-        return [self.runner.read_block(blocks[index]) for index in indices]
+        return self.read_blocks(select_blocks(self.kv.held_blocks(handle_id), indices))
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        """Bytes of blocks, touching no engine state: safe on any thread for blocks nobody
+        writes or frees meanwhile. A held handle's blocks are such: its request computes no
+        more, and prefix-cache sharers only read full blocks. AsyncEngine exports this way so
+        a pull does not wait for the current step."""
+        return [self.runner.read_block(block_id) for block_id in block_ids]
 
     def release(self, handle_id: str) -> int:
         """Unpin a handle's blocks; returns how many (KeyError: unknown handle)."""
@@ -204,6 +211,14 @@ class Engine:
 
     def write_imported_block(self, plan: ImportPlan, index: int, data: bytes) -> None:
         self._import_state(plan)
+        self.fill_imported_block(plan, index, data)
+
+    def fill_imported_block(self, plan: ImportPlan, index: int, data: bytes) -> None:
+        """write_imported_block without checking that the import is still in progress, and
+        touching no engine state but the plan: safe on any thread while the import is in
+        progress. The blocks it pulls were freshly allocated by start_import and nobody else
+        sees them before commit_import registers them in the prefix cache, so the caller only
+        has to end every write before committing or cancelling the import."""
         if index not in plan.missing_indices:
             raise ValueError(f"block {index} is not one the plan pulls")
         self.runner.write_block(plan.block_ids[index], data)
@@ -391,6 +406,14 @@ class Engine:
         now = time.monotonic()
         recent = [n for t, n in self._recent_tokens if t >= now - THROUGHPUT_WINDOW_S]
         return sum(recent) / THROUGHPUT_WINDOW_S
+
+
+def select_blocks(block_ids: list[int], indices: list[int]) -> list[int]:
+    """The blocks at `indices` of a handle's `block_ids` (ValueError: an index outside)."""
+    for index in indices:
+        if not 0 <= index < len(block_ids):
+            raise ValueError(f"block index {index} outside the handle's {len(block_ids)} blocks")
+    return [block_ids[index] for index in indices]
 
 
 def _num_blocks(loaded: LoadedModel, config: EngineConfig) -> int:

@@ -16,9 +16,11 @@ import torch
 from services.worker.engine.attention import (
     AttentionBatch,
     DecodeGroup,
+    KernelDecode,
     LayerKvCache,
     PrefillSpan,
 )
+from services.worker.engine.decode_kernel import DecodeKernel
 from services.worker.engine.loader import LoadedModel
 from services.worker.engine.models.llama import ModelConfig
 
@@ -60,7 +62,14 @@ class ForwardPlan:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_blocks: int,
+        block_size: int = 16,
+        decode_kernel: DecodeKernel | None = None,
+    ) -> None:
+        """decode_kernel: attends the decode rows when given (CPU float32); SDPA otherwise."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
@@ -70,6 +79,7 @@ class ModelRunner:
         self.config = config
         self.device = loaded.device
         self.dtype = loaded.dtype
+        self.decode_kernel = decode_kernel
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layout = KvLayout(
@@ -165,12 +175,7 @@ class ModelRunner:
         )
         slots = tables[entry_of_row, positions // bs] * bs + positions % bs
 
-        decode_groups = [
-            self._decode_group(entries, start, end, tables)
-            for start, end in padding_groups(
-                [math.ceil((e.start_pos + 1) / bs) for e in entries[:num_decode]]
-            )
-        ]
+        decode_groups, kernel_decode = self._decode_plan(entries[:num_decode], tables)
         prefills = [
             self._prefill_span(entries[j], row_starts[j], row_starts[j + 1], tables[j])
             for j in range(num_decode, len(entries))
@@ -188,6 +193,7 @@ class ModelRunner:
             attention=AttentionBatch(
                 slots=slots.to(device),
                 decode_groups=decode_groups,
+                kernel_decode=kernel_decode,
                 prefills=prefills,
             ),
             logit_rows=torch.tensor(logit_rows, dtype=torch.long).to(device),
@@ -196,6 +202,27 @@ class ModelRunner:
     def _additive_mask(self, blocked: torch.Tensor) -> torch.Tensor:
         """Bool "may not attend" -> additive 0 / -inf mask (SDPA on CPU runs faster with it)."""
         return torch.zeros(blocked.shape, dtype=self.dtype).masked_fill_(blocked, -math.inf)
+
+    def _decode_plan(
+        self, decodes: list[BatchEntry], tables: torch.Tensor
+    ) -> tuple[list[DecodeGroup], KernelDecode | None]:
+        """The decode entries (the first rows) as one kernel call, or as SDPA groups."""
+        if not decodes:
+            return [], None
+        if self.decode_kernel is not None:
+            max_blocks = max(len(e.block_table) for e in decodes)
+            kernel_decode = KernelDecode(
+                kernel=self.decode_kernel,
+                block_tables=tables[: len(decodes), :max_blocks].contiguous(),
+                context_lens=torch.tensor([e.start_pos + 1 for e in decodes]),
+            )
+            return [], kernel_decode
+        bs = self.block_size
+        groups = [
+            self._decode_group(decodes, start, end, tables)
+            for start, end in padding_groups([math.ceil((e.start_pos + 1) / bs) for e in decodes])
+        ]
+        return groups, None
 
     def _decode_group(
         self, entries: list[BatchEntry], start: int, end: int, tables: torch.Tensor

@@ -105,10 +105,15 @@ def staggered(
     return {3 * n: [EngineRequest(f"r{i}", prompts[i], sampling)] for n, i in enumerate(order)}
 
 
+@pytest.mark.parametrize("decode_attention", ["kernel", "sdpa"])
 def test_greedy_staggered_continuous_batch_matches_transformers(
-    tiny_loaded: LoadedModel, prompts: list[list[int]], hf_greedy: list[list[int]]
+    tiny_loaded: LoadedModel,
+    prompts: list[list[int]],
+    hf_greedy: list[list[int]],
+    decode_attention: str,
 ) -> None:
-    engine = make_engine(tiny_loaded)
+    engine = make_engine(tiny_loaded, decode_attention=decode_attention)
+    assert (engine.runner.decode_kernel is not None) == (decode_attention == "kernel")
     max_running = 0
 
     def watch(step: int, eng: Engine) -> None:

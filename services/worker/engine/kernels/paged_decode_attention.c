@@ -1,0 +1,101 @@
+/* Decode attention straight from the paged KV cache (CPU, float32).
+ *
+ * One query token per row attends to the row's whole context, read block by block through its
+ * block table: no gathered copy of the context and no padding, so each step reads exactly the
+ * rows' real K/V once. Rows are spread over OpenMP threads; a row does all its heads at once so
+ * that each token's K/V (all KV heads, contiguous in the cache) is read in one sweep.
+ *
+ * Layouts (contiguous):
+ *   q, out        [rows, heads, head_dim]
+ *   key_cache,
+ *   value_cache   [num_blocks, block_size, kv_heads, head_dim]  (one layer)
+ *   block_tables  [rows, max_blocks] int64
+ *   context_lens  [rows] int64, each >= 1 and <= max_blocks * block_size
+ * Query head h reads KV head h / (heads / kv_heads) (grouped-query attention).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static void softmax_in_place(float *restrict scores, int64_t n) {
+    float max = -FLT_MAX, sum = 0.f;
+    for (int64_t t = 0; t < n; t++) max = scores[t] > max ? scores[t] : max;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+        scores[t] = expf(scores[t] - max);
+        sum += scores[t];
+    }
+    const float inverse = 1.f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++) scores[t] *= inverse;
+}
+
+/* scores[h * context + t] = q_h . k_t * scale for every head h and context token t. */
+static void row_scores(const float *q, const float *key_cache, const int64_t *table,
+                       int64_t context, int64_t heads, int64_t group, int64_t head_dim,
+                       int64_t block_size, int64_t token_stride, float scale, float *scores) {
+    for (int64_t start = 0; start < context; start += block_size) {
+        const int64_t tokens = context - start < block_size ? context - start : block_size;
+        const float *block = key_cache + table[start / block_size] * block_size * token_stride;
+        for (int64_t i = 0; i < tokens; i++)
+            for (int64_t h = 0; h < heads; h++)
+                scores[h * context + start + i] =
+                    dot(q + h * head_dim, block + i * token_stride + (h / group) * head_dim,
+                        head_dim) * scale;
+    }
+}
+
+/* out_h = sum_t probs[h * context + t] * v_t for every head h. */
+static void row_values(const float *probs, const float *value_cache, const int64_t *table,
+                       int64_t context, int64_t heads, int64_t group, int64_t head_dim,
+                       int64_t block_size, int64_t token_stride, float *out) {
+    for (int64_t i = 0; i < heads * head_dim; i++) out[i] = 0.f;
+    for (int64_t start = 0; start < context; start += block_size) {
+        const int64_t tokens = context - start < block_size ? context - start : block_size;
+        const float *block = value_cache + table[start / block_size] * block_size * token_stride;
+        for (int64_t i = 0; i < tokens; i++)
+            for (int64_t h = 0; h < heads; h++) {
+                const float p = probs[h * context + start + i];
+                const float *restrict v = block + i * token_stride + (h / group) * head_dim;
+                float *restrict o = out + h * head_dim;
+#pragma omp simd
+                for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
+            }
+    }
+}
+
+/* Returns 0, or -1 when a row's scratch memory could not be allocated. */
+int paged_decode_attention(const float *q, const float *key_cache, const float *value_cache,
+                           const int64_t *block_tables, const int64_t *context_lens, float *out,
+                           int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t block_size, int64_t max_blocks, float scale, int threads) {
+    const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
+    int failed = 0;
+    /* Longest rows usually come first: dynamic scheduling keeps the threads evenly busy. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t context = context_lens[r];
+        const int64_t *table = block_tables + r * max_blocks;
+        float *scores = malloc(sizeof(float) * heads * context);
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        row_scores(q + r * heads * head_dim, key_cache, table, context, heads, group, head_dim,
+                   block_size, token_stride, scale, scores);
+        for (int64_t h = 0; h < heads; h++) softmax_in_place(scores + h * context, context);
+        row_values(scores, value_cache, table, context, heads, group, head_dim, block_size,
+                   token_stride, out + r * heads * head_dim);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,126 @@
+"""The C paged decode-attention kernel against attention computed the plain way."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.engine import decode_kernel
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.decode_kernel import (
+    KernelUnavailable,
+    choose_decode_kernel,
+    load_decode_kernel,
+)
+
+BLOCK_SIZE = 16
+CPU = torch.device("cpu")
+
+
+def reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: list[list[int]],
+    contexts: list[int],
+) -> torch.Tensor:
+    """Each row's context gathered token by token, softmax(q k^T / sqrt(d)) v per head."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // keys.shape[2]
+    rows = []
+    for row, (table, context) in enumerate(zip(tables, contexts, strict=True)):
+        slots = [table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(context)]
+        k = keys.reshape(-1, *keys.shape[2:])[slots]  # [context, kv_heads, dim]
+        v = values.reshape(-1, *values.shape[2:])[slots]
+        out = []
+        for h in range(heads):
+            scores = k[:, h // group] @ q[row, h] / math.sqrt(head_dim)
+            out.append(torch.softmax(scores.double(), 0).float() @ v[:, h // group])
+        rows.append(torch.stack(out))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 32)])
+def test_kernel_matches_plain_attention(
+    threads: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    generator = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + threads)
+    num_blocks = 64
+    keys = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=generator)
+    values = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=generator)
+    # A context of one token, exact block multiples, one past a multiple, and long ones, over
+    # scattered blocks (tables padded with block 0, which the kernel must not read).
+    contexts = [1, 16, 17, 100, 250, 5, 32]
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, used = [], 0
+    for context in contexts:
+        blocks = math.ceil(context / BLOCK_SIZE)
+        tables.append(order[used : used + blocks])
+        used += blocks
+    max_blocks = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    q = torch.randn(len(contexts), heads, head_dim, generator=generator)
+
+    kernel = load_decode_kernel(threads)
+    got = kernel(q, keys, values, padded, torch.tensor(contexts))
+
+    torch.testing.assert_close(
+        got, reference(q, keys, values, tables, contexts), atol=2e-5, rtol=2e-5
+    )
+
+
+def test_kernel_takes_a_non_contiguous_query() -> None:
+    keys = torch.randn(4, BLOCK_SIZE, 2, 8)
+    values = torch.randn(4, BLOCK_SIZE, 2, 8)
+    wide = torch.randn(3, 4, 16)
+    q = wide[:, :, :8]  # every row strided
+    assert not q.is_contiguous()
+    tables = [[2, 0], [1, 3], [3, 0]]
+    contexts = [20, 32, 3]
+    got = load_decode_kernel(1)(q, keys, values, torch.tensor(tables), torch.tensor(contexts))
+    torch.testing.assert_close(got, reference(q, keys, values, tables, contexts))
+
+
+def test_choice_follows_the_mode_and_the_tensors() -> None:
+    assert choose_decode_kernel("sdpa", CPU, torch.float32, 1) is None
+    assert choose_decode_kernel("auto", CPU, torch.float32, 1) is load_decode_kernel(1)
+    assert choose_decode_kernel("auto", CPU, torch.bfloat16, 1) is None
+    assert choose_decode_kernel("auto", torch.device("cuda"), torch.float32, 1) is None
+    with pytest.raises(ValueError, match="CPU float32 only"):
+        choose_decode_kernel("kernel", CPU, torch.float16, 1)
+
+
+def test_config_refuses_an_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="decode_attention must be one of"):
+        EngineConfig(decode_attention="flash").validate()
+
+
+def test_without_a_compiler_auto_falls_back_and_kernel_refuses(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-kvmesh")
+    load_decode_kernel.cache_clear()
+    try:
+        with pytest.raises(KernelUnavailable, match="no C compiler"):
+            choose_decode_kernel("kernel", CPU, torch.float32, 1)
+        assert choose_decode_kernel("auto", CPU, torch.float32, 1) is None
+        assert "falls back to SDPA" in caplog.text
+    finally:
+        load_decode_kernel.cache_clear()
+
+
+def test_build_is_cached_by_source_and_compiled_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = decode_kernel._build()
+    assert first.parent == tmp_path / "kvmesh" / "kernels"
+    built_at = os.stat(first).st_mtime_ns
+    assert decode_kernel._build() == first
+    assert os.stat(first).st_mtime_ns == built_at  # reused, not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no scratch left behind
