@@ -207,8 +207,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         bad = [i for i in indices if i >= count]
         if bad:
             raise InvalidArgument("block_indices", f"{bad} out of range for a {count}-block lease")
-        # One engine command for every block: the engine applies commands between its steps,
-        # so a command per block would make a busy worker's pull wait one step per block.
+        # Read off the engine thread (held blocks do not change), so a pull does not wait for
+        # the engine's current step; one read for every block keeps the thread hops few.
         try:
             blobs = await self.engine.export_blocks(lease.handle_id, indices)
         except KeyError:
@@ -332,8 +332,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             ),
             timeout=time_left,
         )
-        # Writes are queued without waiting for each: the engine thread applies every queued
-        # command between two steps, so the import costs a step or two, not one per block.
+        # Writes are queued without waiting for each, so writing a block overlaps receiving the
+        # next (the native engine writes on copy threads, without waiting for its current step).
         writes: list[asyncio.Future[None]] = []
         with _tracer.start_as_current_span("kv_pull") as span:
             try:

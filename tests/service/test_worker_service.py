@@ -15,12 +15,14 @@ from kvmesh.config import load_config
 from kvmesh.grpc_server import GrpcServer, ServiceBinding
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig
+from services.worker.engine.async_engine import AsyncEngine
 from tests.service.worker_mesh import (
     GREEDY,
     KV_BLOCKS,
     SEEDED,
     InProcessWorker,
     all_idle,
+    collect,
     colocated,
     decode_start,
     disaggregated,
@@ -29,6 +31,7 @@ from tests.service.worker_mesh import (
     start_worker,
     wait_until,
 )
+from tests.thread_gate import Gate
 
 PROMPTS = [list(range(20, 60)), list(range(300, 321))]
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # K and V x layers x block x kv heads x head dim x fp32
@@ -298,4 +301,37 @@ async def test_stats_and_roles(trio: Trio) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await colocated(trio.both.stub, too_long)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert await all_idle(trio.stubs)
+
+
+async def test_hand_off_completes_while_the_prefill_engine_is_mid_step(
+    trio: Trio, tiny_llama_dir: Path
+) -> None:
+    """PullKv reads held blocks off the engine thread: a long step on the prefill worker (a
+    long chunked prefill in real life, a gated forward here) does not hold up the hand-off."""
+    (expected,) = offline(tiny_llama_dir, [PROMPTS[0]], GREEDY)
+    req = request("handed", PROMPTS[0])
+    prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    engine = trio.prefill.worker.engine
+    assert isinstance(engine, AsyncEngine)
+    gate = Gate()
+    runner = engine.engine.runner
+    runner.forward = gate.wrap(runner.forward)  # type: ignore[method-assign]
+    occupant = asyncio.ensure_future(
+        trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=request("busy", PROMPTS[1])))
+    )
+    try:
+        await gate.wait_entered()
+        call = trio.decode.stub.Decode(timeout=30)
+        await call.write(decode_start(req, prefilled))
+        # Before, the export waited for the gated step: the whole decode timed out.
+        split = await asyncio.wait_for(collect(call), 10.0)
+        assert not occupant.done()
+    finally:
+        gate.opened.set()
+        busy = await occupant
+        del runner.forward
+    assert split.token_ids == expected
+    assert split.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    await trio.prefill.stub.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=busy.lease.lease_id))
     assert await all_idle(trio.stubs)

@@ -4,6 +4,10 @@ The engine thread owns the Engine. Calls from the event loop become commands on 
 applied between steps on the engine thread; their results come back as futures. Outputs of
 each step go back to the loop in one call_soon_threadsafe and are routed to per-request
 queues.
+
+KV block copies (export of a held handle, writes into an import) are the exception: they run on
+a small thread pool without waiting for the current step, and the commands that end their
+blocks wait for them instead (see block_copies.py).
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from services.worker.engine.block_copies import BlockCopies
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.engine import Engine, EngineStats
+from services.worker.engine.engine import Engine, EngineStats, select_blocks
 from services.worker.engine.request import (
     EngineRequest,
     FinishReason,
@@ -33,6 +39,9 @@ T = TypeVar("T")
 # How long the engine thread sleeps when requests exist but none can run (e.g. the pool is
 # pinned by handles); commands still wake it at once.
 IDLE_POLL_S = 0.005
+# Threads for KV block copies: copies are memory-bound, so more would not go faster; two let
+# an export and an import on a worker serving both roles overlap.
+COPY_THREADS = 2
 
 _Delivery = list[tuple[RequestOutput, KvHandle | None]]
 
@@ -57,6 +66,9 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
+        self._copier: ThreadPoolExecutor | None = None
+        self._exports = BlockCopies()  # held handles, by handle id
+        self._imports = BlockCopies()  # imports in progress, by request id
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -72,6 +84,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        self._copier = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kvmesh-kv-copy")
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
@@ -83,6 +96,9 @@ class AsyncEngine:
         self._commands.put(_Stop())
         await asyncio.to_thread(thread.join)
         self._thread = None
+        if self._copier is not None:
+            await asyncio.to_thread(self._copier.shutdown)  # lets copies in flight end
+            self._copier = None
 
     def stats(self) -> EngineStats:
         """Snapshot taken by the engine thread after its latest step."""
@@ -92,7 +108,9 @@ class AsyncEngine:
 
     def generate(self, req: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request until it finishes; closing the iterator early aborts it."""
-        return self._stream(req.request_id, lambda: self._engine.add_request(req))
+        return self._stream(
+            req.request_id, lambda: self._call(lambda: self._engine.add_request(req))
+        )
 
     async def abort(self, request_id: str) -> None:
         await self._call(lambda: self._engine.abort(request_id))
@@ -131,42 +149,66 @@ class AsyncEngine:
     # ---- KV export / import -------------------------------------------------------------
 
     async def export_blocks(self, handle_id: str, indices: list[int]) -> list[bytes]:
-        return await self._call(lambda: self._engine.export_blocks(handle_id, indices))
+        """Read on a copy thread, not between steps: a held handle's blocks no longer change,
+        and a release waits for the read to end before the engine frees them."""
+        copier = self._check_running()
+        held = self._exports.block_ids(handle_id)
+        if held is None:
+            raise KeyError(handle_id)
+        read = functools.partial(self._engine.read_blocks, select_blocks(held, indices))
+        return await self._exports.copy(handle_id, copier, read)
 
     async def release(self, handle_id: str) -> int:
-        return await self._call(lambda: self._engine.release(handle_id))
+        return await self._call_when_idle(
+            self._exports, handle_id, None, lambda: self._engine.release(handle_id)
+        )
 
     async def start_import(
         self, req: EngineRequest, block_hashes: list[bytes], num_tokens: int
     ) -> ImportPlan:
         self._check_unused(req.request_id)
-        return await self._call(lambda: self._engine.start_import(req, block_hashes, num_tokens))
+        plan = await self._call(lambda: self._engine.start_import(req, block_hashes, num_tokens))
+        self._imports.open(plan.request_id, plan.block_ids, owner=plan)
+        return plan
 
     async def write_imported_block(self, plan: ImportPlan, index: int, data: bytes) -> None:
-        await self._call(lambda: self._engine.write_imported_block(plan, index, data))
+        """Written on a copy thread, not between steps; commit and cancel wait for it."""
+        copier = self._check_running()
+        if self._imports.block_ids(plan.request_id, plan) is None:
+            raise KeyError(f"no import in progress for request {plan.request_id!r}")
+        write = functools.partial(self._engine.fill_imported_block, plan, index, data)
+        await self._imports.copy(plan.request_id, copier, write)
 
     def commit_import(
         self, plan: ImportPlan, first_token_id: int
     ) -> AsyncGenerator[RequestOutput, None]:
         """Decoding continues after first_token_id; outputs as from generate()."""
-        return self._stream(
-            plan.request_id, lambda: self._engine.commit_import(plan, first_token_id)
-        )
+
+        async def start() -> None:
+            idle = asyncio.get_running_loop().create_future()
+            self._imports.close(plan.request_id, functools.partial(_set_once, idle), plan)
+            await idle  # every write ended
+            await self._call(lambda: self._engine.commit_import(plan, first_token_id))
+
+        return self._stream(plan.request_id, start)
 
     async def cancel_import(self, plan: ImportPlan) -> None:
-        await self._call(lambda: self._engine.cancel_import(plan))
+        await self._call_when_idle(
+            self._imports, plan.request_id, plan, lambda: self._engine.cancel_import(plan)
+        )
 
     # ---- event-loop side ----------------------------------------------------------------
 
     async def _stream(
-        self, request_id: str, start: Callable[[], None]
+        self, request_id: str, start: Callable[[], Awaitable[None]]
     ) -> AsyncGenerator[RequestOutput, None]:
+        """start() puts the request into the engine; its outputs stream until it finishes."""
         self._check_unused(request_id)
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._streams[request_id] = outputs
         started = finished = False
         try:
-            await self._call(start)
+            await start()
             started = True
             while not finished:
                 output = await outputs.get()
@@ -182,20 +224,31 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
 
     async def _call(self, fn: Callable[[], T]) -> T:
-        if self._thread is None:
-            raise RuntimeError("AsyncEngine is not running: await start() first")
+        self._check_running()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def run() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(fn())
-            except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
-                future.set_exception(exc)
-
-        self._commands.put(run)
+        self._commands.put(_command(future, fn))
         return await asyncio.wrap_future(future)
+
+    async def _call_when_idle(
+        self, copies: BlockCopies, key: str, owner: object, fn: Callable[[], T]
+    ) -> T:
+        """fn on the engine thread once no copy of the block set is in flight.
+
+        fn frees or hands over the set's blocks, so once asked for it runs even if the
+        caller is cancelled meanwhile (the blocks would leak otherwise).
+        """
+        self._check_running()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        copies.close(key, lambda: self._commands.put(_command(future, fn)), owner)
+        waited = asyncio.wrap_future(future)
+        waited.add_done_callback(_retrieve)
+        return await asyncio.shield(waited)
+
+    def _check_running(self) -> ThreadPoolExecutor:
+        """The copy threads; RuntimeError unless the engine thread runs."""
+        if self._thread is None or self._copier is None:
+            raise RuntimeError("AsyncEngine is not running: await start() first")
+        return self._copier
 
     def _submit(self, fn: Callable[[], object]) -> None:
         """Fire-and-forget command (safe from finalizers and cancelled tasks)."""
@@ -212,6 +265,8 @@ class AsyncEngine:
         for output, handle in items:
             waiter = self._hold_waiters.pop(output.request_id, None)
             if waiter is not None and not waiter.done():
+                if handle is not None:
+                    self._exports.open(handle.handle_id, handle.block_ids)
                 waiter.set_result((output, handle))
                 continue
             if handle is not None:  # its prefill caller went away: unpin the blocks
@@ -269,3 +324,28 @@ class AsyncEngine:
             for _, handle in items:
                 if handle is not None:
                     self._engine.release(handle.handle_id)
+
+
+def _command(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> Callable[[], None]:
+    """An engine-thread command that runs fn into future, unless future was cancelled."""
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except Exception as exc:  # noqa: BLE001 - handed to the awaiting caller
+            future.set_exception(exc)
+
+    return run
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():  # its awaiter may have been cancelled
+        future.set_result(None)
+
+
+def _retrieve(future: asyncio.Future[T]) -> None:
+    """Mark a shielded future's exception as seen: its caller may have stopped waiting."""
+    if not future.cancelled():
+        future.exception()

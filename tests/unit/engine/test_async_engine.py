@@ -1,8 +1,10 @@
-"""AsyncEngine on the tiny random Llama: streams, aborts, early close, hold / import."""
+"""AsyncEngine on the tiny random Llama: streams, aborts, early close, hold / import, KV copies
+off the engine thread."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
@@ -20,6 +22,7 @@ from services.worker.engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from tests.thread_gate import Gate
 
 NUM_BLOCKS = 32
 LONG = SamplingParams(max_tokens=200, ignore_eos=True)
@@ -169,3 +172,179 @@ async def test_shutdown_aborts_open_streams(tiny_loaded: LoadedModel) -> None:
     rest = await collect(stream)
     assert rest[-1].finish_reason is FinishReason.ABORT
     assert async_engine.engine.pool.num_free_blocks == NUM_BLOCKS
+
+
+# ---- KV copies off the engine thread --------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def stalled_step(engine: AsyncEngine, seed: int) -> AsyncIterator[None]:
+    """An engine thread stuck inside a model forward (of a request started here) until the
+    block ends: any work queued for the engine thread waits for the block's end."""
+    gate = Gate()
+    runner = engine.engine.runner
+    runner.forward = gate.wrap(runner.forward)  # type: ignore[method-assign]
+    sampling = SamplingParams(max_tokens=2, ignore_eos=True)
+    occupant = asyncio.create_task(
+        collect(engine.generate(EngineRequest("busy", prompt(seed, 30), sampling)))
+    )
+    try:
+        await gate.wait_entered()
+        yield
+    finally:
+        gate.opened.set()
+        await occupant
+        del runner.forward
+
+
+async def test_export_does_not_wait_for_the_engine_step(engine: AsyncEngine) -> None:
+    tokens = prompt(8, 37)  # 2 full blocks + 5
+    _, handle = await engine.prefill_and_hold(EngineRequest("p", tokens, LONG))
+    assert handle is not None
+    before = await engine.export_blocks(handle.handle_id, [0, 1, 2])
+    async with stalled_step(engine, seed=9):
+        # The old export, an engine command, would wait for the stalled step: it timed out.
+        during = await asyncio.wait_for(engine.export_blocks(handle.handle_id, [2, 0]), 5.0)
+    assert during == [before[2], before[0]]
+    assert await engine.release(handle.handle_id) == 3
+    await all_blocks_free(engine)
+
+
+async def test_imported_block_write_does_not_wait_for_the_engine_step(
+    tiny_loaded: LoadedModel, engine: AsyncEngine
+) -> None:
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    tokens = prompt(10, 37)
+    source = AsyncEngine(Engine(tiny_loaded, EngineConfig(num_kv_blocks=NUM_BLOCKS)))
+    await source.start()
+    try:
+        reference = await collect(source.generate(EngineRequest("r", tokens, sampling)))
+        first, handle = await source.prefill_and_hold(EngineRequest("p", tokens, sampling))
+        assert handle is not None
+        blobs = await source.export_blocks(handle.handle_id, [0, 1, 2])
+        await source.release(handle.handle_id)
+    finally:
+        await source.shutdown()
+    plan = await engine.start_import(
+        EngineRequest("d", tokens, sampling), handle.block_hashes, handle.num_tokens
+    )
+    assert plan.missing_indices == [0, 1, 2]
+    async with stalled_step(engine, seed=11):
+        writes = (engine.write_imported_block(plan, i, blob) for i, blob in enumerate(blobs))
+        await asyncio.wait_for(asyncio.gather(*writes), 5.0)
+    rest = await collect(engine.commit_import(plan, first.new_token_ids[0]))
+    expected = [t for o in reference for t in o.new_token_ids]
+    assert first.new_token_ids + [t for o in rest for t in o.new_token_ids] == expected
+    await all_blocks_free(engine)
+
+
+async def test_release_waits_for_an_export_in_flight(engine: AsyncEngine) -> None:
+    _, handle = await engine.prefill_and_hold(EngineRequest("p", prompt(12, 37), LONG))
+    assert handle is not None
+    pool = engine.engine.pool
+    read = engine.engine.read_blocks
+    pinned_while_read: list[bool] = []
+
+    def checked_read(block_ids: list[int]) -> list[bytes]:
+        blobs = read(block_ids)
+        pinned_while_read.append(all(pool.ref_count(b) > 0 for b in block_ids))
+        return blobs
+
+    gate = Gate()
+    engine.engine.read_blocks = gate.wrap(checked_read)  # type: ignore[method-assign]
+    export = asyncio.create_task(engine.export_blocks(handle.handle_id, [0, 1, 2]))
+    await gate.wait_entered()
+    release = asyncio.create_task(engine.release(handle.handle_id))
+    await asyncio.sleep(0.3)  # ample time for the engine thread to run a release command
+    assert not release.done()
+    assert engine.stats().num_held_handles == 1
+    assert engine.stats().kv_blocks_free == NUM_BLOCKS - 3
+    with pytest.raises(KeyError):  # the handle is on its way out: no new exports
+        await engine.export_blocks(handle.handle_id, [0])
+    gate.opened.set()
+    assert [len(b) for b in await export] == [engine.layout.block_bytes] * 3
+    assert await release == 3
+    assert pinned_while_read == [True]
+    with pytest.raises(KeyError):
+        await engine.export_blocks(handle.handle_id, [0])
+    with pytest.raises(KeyError):
+        await engine.release(handle.handle_id)
+    await all_blocks_free(engine)
+
+
+async def test_cancelled_export_and_release_still_free_after_the_read(
+    engine: AsyncEngine,
+) -> None:
+    _, handle = await engine.prefill_and_hold(EngineRequest("p", prompt(13, 37), LONG))
+    assert handle is not None
+    pool = engine.engine.pool
+    read = engine.engine.read_blocks
+    pinned_while_read: list[bool] = []
+
+    def checked_read(block_ids: list[int]) -> list[bytes]:
+        blobs = read(block_ids)
+        pinned_while_read.append(all(pool.ref_count(b) > 0 for b in block_ids))
+        return blobs
+
+    gate = Gate()
+    engine.engine.read_blocks = gate.wrap(checked_read)  # type: ignore[method-assign]
+    export = asyncio.create_task(engine.export_blocks(handle.handle_id, [0, 1, 2]))
+    await gate.wait_entered()
+    export.cancel()  # the read goes on: cancelling the caller cannot stop a running thread
+    release = asyncio.create_task(engine.release(handle.handle_id))
+    await asyncio.sleep(0.1)
+    release.cancel()  # the release, once asked for, happens anyway
+    for task in (export, release):
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert engine.stats().num_held_handles == 1
+    gate.opened.set()
+    await all_blocks_free(engine)
+    assert pinned_while_read == [True]
+    assert engine.stats().num_held_handles == 0
+
+
+async def test_cancel_and_commit_wait_for_writes_in_flight(engine: AsyncEngine) -> None:
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    tokens = prompt(14, 37)
+    first, handle = await engine.prefill_and_hold(EngineRequest("p", tokens, sampling))
+    assert handle is not None
+    (blob,) = await engine.export_blocks(handle.handle_id, [2])
+    fill = engine.engine.fill_imported_block
+    gate = Gate()
+    engine.engine.fill_imported_block = gate.wrap(fill)  # type: ignore[method-assign]
+
+    # Cancel: waits for the write, then frees the plan's blocks; later writes are refused.
+    plan = await engine.start_import(
+        EngineRequest("c", tokens, sampling), handle.block_hashes, handle.num_tokens
+    )
+    write = asyncio.create_task(engine.write_imported_block(plan, 2, blob))
+    await gate.wait_entered()
+    cancel = asyncio.create_task(engine.cancel_import(plan))
+    await asyncio.sleep(0.3)
+    assert not cancel.done()
+    with pytest.raises(KeyError):
+        await engine.write_imported_block(plan, 2, blob)
+    gate.opened.set()
+    await write
+    await cancel
+
+    # Commit: its stream starts only once the write in flight has ended.
+    gate = Gate()
+    engine.engine.fill_imported_block = gate.wrap(fill)  # type: ignore[method-assign]
+    plan = await engine.start_import(
+        EngineRequest("d", tokens, sampling), handle.block_hashes, handle.num_tokens
+    )
+    write = asyncio.create_task(engine.write_imported_block(plan, 2, blob))
+    await gate.wait_entered()
+    stream = engine.commit_import(plan, first.new_token_ids[0])
+    output = asyncio.create_task(anext(stream))
+    await asyncio.sleep(0.3)
+    assert not output.done()
+    assert engine.stats().running == 0
+    gate.opened.set()
+    await write
+    rest = [await output, *await collect(stream)]
+    assert sum(len(o.new_token_ids) for o in rest) == 3
+    assert await engine.release(handle.handle_id) == 3
+    await all_blocks_free(engine)
