@@ -1,8 +1,9 @@
 """Continuous batching: which requests compute which tokens in the next step.
 
-Each step spends a token budget under a cap on running requests. Running requests go first
-(interactive before batch, oldest first), then waiting requests are admitted with (chunked)
-prefills, interactive before batch, FIFO within a class. When the pool runs out of blocks a
+Each step spends a token budget under a cap on running requests. Interactive requests go
+first (running ones oldest first, then waiting ones admitted FIFO with a chunked prefill), then
+batch requests the same way; batch prefill chunks skip any step that computes an interactive
+prompt. When the pool runs out of blocks a
 running request is preempted by recompute: batch before interactive, newest first; it loses
 its blocks and returns to the front of its waiting queue.
 """
@@ -82,15 +83,44 @@ class Scheduler:
         state.status = RequestStatus.FINISHED
 
     def schedule(self) -> SchedulerOutput:
+        """Interactive work first, running then waiting; then batch work the same way.
+
+        While an interactive prompt is being computed in this step, batch prefill chunks
+        (running or new) sit the step out: they would stretch the step that the interactive
+        request's first token waits for. Batch decodes still run, so batch work never stalls
+        for more than one step at a time."""
         out = SchedulerOutput()
         scheduled: dict[RequestState, ScheduledChunk] = {}
         budget = self.max_num_batched_tokens
+        for priority in Priority:
+            prefills_allowed = priority is Priority.INTERACTIVE or not any(
+                chunk.num_tokens > 1 for chunk in scheduled.values()
+            )
+            budget = self._schedule_running(priority, prefills_allowed, scheduled, out, budget)
+            # After a preemption the pool is short: admitting new work would only thrash.
+            if not out.preempted and prefills_allowed:
+                budget = self._admit_waiting(priority, scheduled, budget)
+        out.chunks = list(scheduled.values())
+        return out
+
+    def _schedule_running(
+        self,
+        priority: Priority,
+        prefills_allowed: bool,
+        scheduled: dict[RequestState, ScheduledChunk],
+        out: SchedulerOutput,
+        budget: int,
+    ) -> int:
+        """Chunks for the running requests of one class, oldest first; returns the budget
+        left. Preempts (batch first, newest first) when the pool cannot grow a request."""
         for state in sorted(self.running, key=_preemption_order):
             if budget == 0:
                 break
-            if state.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if state.status is not RequestStatus.RUNNING or state.priority is not priority:
+                continue  # another class, or preempted earlier in this loop
             num_new = min(state.num_tokens - state.num_computed_tokens, budget)
+            if num_new > 1 and not prefills_allowed:
+                continue
             while not self.kv.allocate_slots(state, num_new):
                 victim = max(self.running, key=_preemption_order)
                 self._preempt(victim)
@@ -103,31 +133,31 @@ class Scheduler:
             else:
                 scheduled[state] = _chunk(state, state.num_computed_tokens, num_new)
                 budget -= num_new
-        # After a preemption the pool is short: admitting new work would only thrash.
-        if not out.preempted:
-            self._admit_waiting(scheduled, budget)
-        out.chunks = list(scheduled.values())
-        return out
+        return budget
 
-    def _admit_waiting(self, scheduled: dict[RequestState, ScheduledChunk], budget: int) -> None:
-        for priority in Priority:
-            queue = self.waiting[priority]
-            while queue and budget > 0 and len(self.running) < self.max_num_seqs:
-                state = queue[0]
-                cached = self.kv.find_cached_prefix(state)
-                num_cached = len(cached) * self.kv.block_size
-                num_new = min(state.num_tokens - num_cached, budget)
-                if not self.kv.admit(state, cached, num_new):
-                    return  # the head doesn't fit: nobody behind it jumps the queue
-                queue.popleft()
-                state.num_computed_tokens = num_cached
-                if not state.admitted_once:
-                    state.num_cached_prompt_tokens = num_cached
-                    state.admitted_once = True
-                state.status = RequestStatus.RUNNING
-                self.running.append(state)
-                scheduled[state] = _chunk(state, num_cached, num_new)
-                budget -= num_new
+    def _admit_waiting(
+        self, priority: Priority, scheduled: dict[RequestState, ScheduledChunk], budget: int
+    ) -> int:
+        """Admit waiting requests of one class (FIFO) with their first prefill chunk; returns
+        the budget left."""
+        queue = self.waiting[priority]
+        while queue and budget > 0 and len(self.running) < self.max_num_seqs:
+            state = queue[0]
+            cached = self.kv.find_cached_prefix(state)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(state.num_tokens - num_cached, budget)
+            if not self.kv.admit(state, cached, num_new):
+                break  # the head doesn't fit: nobody behind it jumps the queue
+            queue.popleft()
+            state.num_computed_tokens = num_cached
+            if not state.admitted_once:
+                state.num_cached_prompt_tokens = num_cached
+                state.admitted_once = True
+            state.status = RequestStatus.RUNNING
+            self.running.append(state)
+            scheduled[state] = _chunk(state, num_cached, num_new)
+            budget -= num_new
+        return budget
 
     def _preempt(self, state: RequestState) -> None:
         self.running.remove(state)

@@ -42,9 +42,35 @@ def test_interactive_is_admitted_before_batch_and_fifo_within_a_class() -> None:
     sched.add(make_state("inter-1", range(4), arrival_seq=1))
     sched.add(make_state("inter-2", range(4), arrival_seq=2))
     sched.add(make_state("batch-2", range(4), arrival_seq=3, priority=Priority.BATCH))
-    assert [c[0] for c in shape(run(sched))] == ["inter-1", "inter-2", "batch-1"]
-    # Running decodes are ordered the same way, and batch-2 gets the leftover budget.
+    # Batch prompts sit out the step that computes the interactive ones.
+    assert [c[0] for c in shape(run(sched))] == ["inter-1", "inter-2"]
+    # Running decodes come first, then batch admissions in arrival order.
     assert [c[0] for c in shape(run(sched))] == ["inter-1", "inter-2", "batch-1", "batch-2"]
+
+
+def test_batch_prefill_pauses_while_an_interactive_prompt_computes() -> None:
+    sched = scheduler(budget=8)
+    sched.add(make_state("decoding", range(2), arrival_seq=0, priority=Priority.BATCH))
+    sched.add(make_state("long", range(20), arrival_seq=1, priority=Priority.BATCH))
+    assert shape(run(sched)) == [("decoding", 0, 2, True), ("long", 0, 6, False)]
+    sched.add(make_state("inter", range(100, 105), arrival_seq=2))
+    # The interactive prompt runs with the batch decode; the batch prefill chunk waits.
+    assert shape(run(sched)) == [("inter", 0, 5, True), ("decoding", 2, 1, True)]
+    # Interactive is decoding now: the batch prefill resumes where it stopped.
+    assert shape(run(sched)) == [
+        ("inter", 5, 1, True),
+        ("decoding", 3, 1, True),
+        ("long", 6, 6, False),
+    ]
+
+
+def test_an_interactive_request_that_cannot_start_does_not_stall_batch_prefill() -> None:
+    sched = scheduler(budget=8, max_seqs=1)
+    sched.add(make_state("long", range(12), arrival_seq=0, priority=Priority.BATCH))
+    assert shape(run(sched)) == [("long", 0, 8, False)]
+    sched.add(make_state("inter", range(4), arrival_seq=1))  # no running slot for it
+    assert shape(run(sched)) == [("long", 8, 4, True)]
+    assert sched.num_waiting == 1
 
 
 def test_running_cap_limits_admissions() -> None:
@@ -69,16 +95,14 @@ def test_head_of_line_that_does_not_fit_blocks_the_queue() -> None:
 
 def test_preemption_takes_batch_before_interactive_newest_first() -> None:
     # 5 blocks of 4 tokens; four 4-token prompts take one each, and each decode needs a second.
+    # Batch prompts of 3 tokens end their first step with 4 tokens: still one block each.
     sched = scheduler(num_blocks=5, budget=64)
-    states = [
-        make_state("i-old", range(4), arrival_seq=0),
-        make_state("b-old", range(4), arrival_seq=1, priority=Priority.BATCH),
-        make_state("b-new", range(4), arrival_seq=2, priority=Priority.BATCH),
-        make_state("i-new", range(4), arrival_seq=3),
-    ]
-    for state in states:
-        sched.add(state)
+    sched.add(make_state("b-old", range(3), arrival_seq=1, priority=Priority.BATCH))
+    sched.add(make_state("b-new", range(3), arrival_seq=2, priority=Priority.BATCH))
     run(sched)
+    sched.add(make_state("i-old", range(4), arrival_seq=0))
+    sched.add(make_state("i-new", range(4), arrival_seq=3))
+    assert [c[0] for c in shape(run(sched))] == ["i-old", "i-new", "b-old", "b-new"]
     assert sched.kv.pool.num_free_blocks == 1
     # i-old takes the free block; i-new's block comes from b-new; b-old is then the
     # newest batch request left and gives way itself.
