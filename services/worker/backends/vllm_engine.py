@@ -560,19 +560,8 @@ class VllmEngine:
     def _check_new(self, req: EngineRequest, max_new_tokens: int) -> None:
         if req.request_id in self._live:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        req.sampling.validate()
-        prompt = req.prompt_token_ids
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        if len(prompt) >= self.context_length:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens leaves no room in the "
-                f"{self.context_length}-token context"
-            )
-        kv_tokens = min(len(prompt) + max_new_tokens, self.context_length)
+        req.validate(self.vocab_size, self.context_length)
+        kv_tokens = min(len(req.prompt_token_ids) + max_new_tokens, self.context_length)
         needed = cdiv(kv_tokens, self.layout.block_size)
         if needed > self._num_blocks:
             raise KvCapacityError(

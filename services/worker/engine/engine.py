@@ -279,20 +279,9 @@ class Engine:
         rid = req.request_id
         if rid in self._states or rid in self._imports or rid in self._ready_handles:
             raise ValueError(f"request id {rid!r} is already in use")
-        req.sampling.validate()
-        prompt = req.prompt_token_ids
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids outside [0, {self.vocab_size}): {bad[:5]}")
-        if len(prompt) >= self.context_length:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens leaves no room in the "
-                f"{self.context_length}-token context"
-            )
+        req.validate(self.vocab_size, self.context_length)
         # The last sampled token is never computed, so it needs no KV slot.
-        kv_tokens = min(len(prompt) + max_new_tokens, self.context_length) - 1
+        kv_tokens = min(len(req.prompt_token_ids) + max_new_tokens, self.context_length) - 1
         needed = cdiv(kv_tokens, self.config.block_size)
         if needed > self.pool.num_blocks:
             raise KvCapacityError(

@@ -87,6 +87,22 @@ class EngineRequest:
     # time.monotonic() after which the request stops with FinishReason.DEADLINE.
     deadline: float | None = None
 
+    def validate(self, vocab_size: int, context_length: int) -> None:
+        """ValueError naming what no engine of this model could run: bad sampling fields, an
+        empty prompt, token ids outside the vocabulary, a prompt that fills the context."""
+        self.sampling.validate()
+        prompt = self.prompt_token_ids
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids outside [0, {vocab_size}): {bad[:5]}")
+        if len(prompt) >= context_length:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens leaves no room in the "
+                f"{context_length}-token context"
+            )
+
 
 @dataclass(slots=True)
 class TokenLogprob:
