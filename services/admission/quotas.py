@@ -5,27 +5,25 @@ current minute and the current UTC day; the end of the request moves the counter
 really used (0 when it was aborted before running). Counters live in Redis when several
 gateways must enforce one budget (atomic Lua: check-and-add in one step), in this process
 otherwise. When Redis is unreachable the gateway falls back to its local counters rather
-than refusing every request: each replica then enforces the budget alone until Redis is back.
+than refusing every request (services.admission.failover): each replica then enforces the
+budget alone until Redis is back.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from kvmesh.errors import InvalidArgument, QuotaViolation, ResourceExhausted
-from services.admission import metrics
+from services.admission.failover import Failover, StoreDown, redis_calls
 from services.admission.tenants import Tenant
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 MINUTE_S = 60
 DAY_S = 86_400
@@ -66,10 +64,6 @@ class Rejection:
 
     window: Window
     used: int
-
-
-class CounterStoreDown(Exception):
-    """The shared counter store could not be reached."""
 
 
 class CounterStore(Protocol):
@@ -180,23 +174,17 @@ class RedisCounters:
             # A window's counter outlives it a little so a late settle still finds it.
             args += [window.limit, window.length_s + MINUTE_S]
         keys = [self._key(tenant, w) for w in windows]
-        try:
+        with redis_calls():
             broken, used = await self._try_add(keys=keys, args=args)
-        except RedisError as error:
-            raise CounterStoreDown(str(error)) from error
         return Rejection(windows[int(broken) - 1], int(used)) if int(broken) else None
 
     async def adjust(self, tenant: str, windows: Sequence[Window], delta: int) -> None:
-        try:
+        with redis_calls():
             await self._adjust(keys=[self._key(tenant, w) for w in windows], args=[delta])
-        except RedisError as error:
-            raise CounterStoreDown(str(error)) from error
 
     async def read(self, tenant: str, windows: Sequence[Window]) -> list[int]:
-        try:
+        with redis_calls():
             values = await self._client.mget([self._key(tenant, w) for w in windows])
-        except RedisError as error:
-            raise CounterStoreDown(str(error)) from error
         return [int(v) if v is not None else 0 for v in values]
 
 
@@ -220,10 +208,8 @@ class Quotas:
         fallback: MemoryCounters | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._store = store
-        self._fallback = fallback
+        self._stores = Failover[CounterStore](store, fallback, role="quotas")
         self._clock = clock
-        self._store_down = False
 
     async def reserve(self, tenant: Tenant, tokens: int) -> Reservation:
         """Holds `tokens` against the tenant's limits or raises ResourceExhausted."""
@@ -237,7 +223,7 @@ class Quotas:
                     f"tenant {tenant.name!r} may use in a whole window ({window.describe()}: "
                     f"{window.limit}); lower max_tokens",
                 )
-        store, rejection = await self._call(
+        store, rejection = await self._stores.call(
             lambda s: s.try_add(tenant.name, windows, tokens), default=None
         )
         if rejection is not None:
@@ -254,7 +240,7 @@ class Quotas:
             return
         try:
             await reservation.store.adjust(reservation.tenant, reservation.windows, delta)
-        except CounterStoreDown as error:
+        except StoreDown as error:
             # The reservation stays counted until its window expires: errs toward the limit.
             log.warning(
                 "could not settle %s's budget in %s: %s",
@@ -270,29 +256,8 @@ class Quotas:
     async def used(self, tenant: Tenant) -> tuple[int, int]:
         """Tokens counted this minute and today."""
         windows = windows_for(tenant, self._clock())
-        _, counts = await self._call(lambda s: s.read(tenant.name, windows), default=[0, 0])
+        _, counts = await self._stores.call(lambda s: s.read(tenant.name, windows), default=[0, 0])
         return counts[0], counts[1]
-
-    async def _call(
-        self, operation: Callable[[CounterStore], Awaitable[T]], default: T
-    ) -> tuple[CounterStore, T]:
-        """Runs `operation` on the shared store, or on the local fallback while it is down."""
-        try:
-            result = await operation(self._store)
-        except CounterStoreDown as error:
-            metrics.BACKEND_ERRORS.labels("quotas").inc()
-            if not self._store_down:
-                log.warning(
-                    "budget store %s unreachable (%s): counting locally", self._store.name, error
-                )
-            self._store_down = True
-            if self._fallback is None:
-                return self._store, default
-            return self._fallback, await operation(self._fallback)
-        if self._store_down:
-            log.info("budget store %s reachable again", self._store.name)
-            self._store_down = False
-        return self._store, result
 
 
 def _over_budget(

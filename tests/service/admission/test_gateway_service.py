@@ -2,41 +2,17 @@
 
 from __future__ import annotations
 
-import socket
-from collections.abc import AsyncIterator
-
 import grpc
 import pytest
 
-from kvmesh.config import load_config
-from kvmesh.grpc_server import GrpcServer, ServiceBinding
 from kvmesh.rpc_status import error_from_rpc
 from kvmesh.v1 import common_pb2, gateway_pb2
-from services.admission.config import AdmissionConfig
-from services.admission.servicer import SERVICE_NAME, GatewayServicer, add_gateway_servicer
-from services.admission.wiring import build_gateway
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.service.admission.conftest import StartGateway
 
 
 @pytest.fixture
-async def gateway() -> AsyncIterator[str]:
-    config = load_config(
-        AdmissionConfig,
-        ["--port", "0", "--metrics-port", "-1", "--router", f"127.0.0.1:{closed_port()}"],
-    )
-    assembly = build_gateway(config)
-    binding = ServiceBinding(SERVICE_NAME, GatewayServicer(assembly.gateway), add_gateway_servicer)
-    server = GrpcServer(config, "admission", [binding], on_stop=assembly.on_stop)
-    await server.start()
-    try:
-        yield server.address
-    finally:
-        await server.stop(0)
+async def gateway(start_gateway: StartGateway, closed_port: int) -> str:
+    return await start_gateway(["--router", f"127.0.0.1:{closed_port}"])
 
 
 async def generate_raw(address: str, *messages: bytes) -> grpc.aio.AioRpcError:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
-import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -19,30 +16,11 @@ from services.admission.tenants import Tenant
 ACME = Tenant(name="acme", key_sha256="", tokens_per_minute=1000, daily_tokens=5000)
 
 
-@pytest.fixture
-async def redis() -> AsyncIterator[tuple[Redis, str]]:
-    client = Redis.from_url("redis://127.0.0.1:6379/0", socket_timeout=1.0)
-    prefix = f"test:admission:{uuid.uuid4().hex}:"
-    try:
-        yield client, prefix
-    finally:
-        keys = [key async for key in client.scan_iter(match=prefix + "*")]
-        if keys:
-            await client.delete(*keys)
-        await client.aclose()
-
-
 def mid_minute() -> float:
     """A fixed clock in the middle of the current minute: counting tests never straddle two
     fixed one-minute windows, however slow the machine."""
     frozen = (time.time() // 60) * 60 + 30
     return frozen
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_two_gateways_share_one_budget(redis: tuple[Redis, str]) -> None:
@@ -86,16 +64,12 @@ async def test_counters_expire(redis: tuple[Redis, str]) -> None:
         assert 0 < await client.ttl(key) <= 86_400 + 60
 
 
-async def test_unreachable_redis_counts_locally() -> None:
-    client = Redis.from_url(
-        f"redis://127.0.0.1:{closed_port()}/0", socket_timeout=0.2, socket_connect_timeout=0.2
-    )
-    quotas = Quotas(RedisCounters(client, "unused:"), fallback=MemoryCounters())
+async def test_unreachable_redis_counts_locally(unreachable_redis: Redis) -> None:
+    quotas = Quotas(RedisCounters(unreachable_redis, "unused:"), fallback=MemoryCounters())
     await quotas.reserve(ACME, 900)
     with pytest.raises(ResourceExhausted):
         await quotas.reserve(ACME, 200)
     assert await quotas.used(ACME) == (900, 900)
-    await client.aclose()
 
 
 async def test_usage_meter_sums_across_gateways(redis: tuple[Redis, str]) -> None:
