@@ -24,10 +24,14 @@ class AdmissionConfig(ServerConfig):
     cache: str = ""
     """Address of the response cache service; empty runs without a response cache."""
     redis: str = ""
-    """Redis URL for shared budgets and usage meters (several gateways, one budget); empty keeps
-    them in this process."""
+    """Redis URL for shared budgets, concurrency limits and usage meters (several gateways, one
+    limit); empty keeps them in this process."""
     redis_prefix: str = "kvmesh:admission:"
     """Prefix of every Redis key the gateway writes."""
+    concurrency_lease_s: float = 30.0
+    """Lease of a request's slot against its tenant's max_concurrent in Redis: each gateway
+    renews its slots every third of it, and the slots of a gateway that dies are freed within
+    it."""
     tenants: Path | None = None
     """YAML file of tenants (hashed keys and limits); without it the gateway binds 127.0.0.1
     only and serves one unlimited local tenant."""

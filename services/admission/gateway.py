@@ -13,7 +13,6 @@ import hashlib
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from services.admission.auth import (
     authorize_usage_read,
 )
 from services.admission.catalog import AUTO_MODEL, ModelCatalog, ModelSpec, TokenizerLike
+from services.admission.concurrency import ConcurrencyLimits
 from services.admission.downstream import CacheClient, RouterClient
 from services.admission.idempotency import Claim, IdempotencyStore
 from services.admission.metering import ModelTotals, UsageMeter
@@ -105,6 +105,7 @@ class Gateway:
         router: RouterClient,
         cache: CacheClient | None,
         quotas: Quotas,
+        concurrency: ConcurrencyLimits,
         meter: UsageMeter,
         queue: AdmissionQueue,
         prices: PriceTable,
@@ -116,12 +117,12 @@ class Gateway:
         self.router = router
         self.cache = cache
         self.quotas = quotas
+        self.concurrency = concurrency
         self.meter = meter
         self.queue = queue
         self.prices = prices
         self.limits = limits
         self.idempotency = idempotency
-        self._active: Counter[str] = Counter()
         self._background: set[asyncio.Task[None]] = set()
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Tenant:
@@ -198,7 +199,7 @@ class Gateway:
     async def _admit_and_run(
         self, job: Job, transcript: Transcript, cancelled: asyncio.Event
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
-        with self._tenant_slot(job.tenant):
+        async with self._tenant_slot(job.tenant):
             reservation = await self.quotas.reserve(job.tenant, job.budget_tokens)
             try:
                 async for event in self._answer(job, transcript, reservation, cancelled):
@@ -412,21 +413,25 @@ class Gateway:
             labels=job.labels,
         )
 
-    @contextlib.contextmanager
-    def _tenant_slot(self, tenant: Tenant) -> Iterator[None]:
-        """Counts the tenant's requests in this gateway against its max_concurrent."""
-        if tenant.max_concurrent and self._active[tenant.name] >= tenant.max_concurrent:
+    @contextlib.asynccontextmanager
+    async def _tenant_slot(self, tenant: Tenant) -> AsyncIterator[None]:
+        """Holds one of the tenant's max_concurrent slots (counted across gateways on one
+        Redis) for the whole request."""
+        if not tenant.max_concurrent:
+            yield
+            return
+        slot = await self.concurrency.acquire(tenant.name, tenant.max_concurrent)
+        if slot is None:
             description = f"concurrent requests: {tenant.max_concurrent} of {tenant.max_concurrent}"
             raise ResourceExhausted(
                 f"tenant {tenant.name!r} has too many requests in flight ({description})",
                 retry_after_s=max(self.queue.expected_wait_s(PriorityClass.INTERACTIVE), 0.1),
                 quota_violations=(QuotaViolation(f"tenant:{tenant.name}", description),),
             )
-        self._active[tenant.name] += 1
         try:
             yield
         finally:
-            self._active[tenant.name] -= 1
+            await self.concurrency.release(slot)
 
     async def _abandon_books(
         self, job: Job, transcript: Transcript, reservation: Reservation

@@ -11,13 +11,14 @@ from kvmesh.channels import insecure_channel
 from kvmesh.grpc_server import StopHook
 from services.admission.admission_queue import AdmissionQueue, QueueLimits
 from services.admission.catalog import ModelCatalog, parse_tier_map
+from services.admission.concurrency import ConcurrencyLimits, MemorySlots, RedisSlots
 from services.admission.config import AdmissionConfig
 from services.admission.downstream import CacheClient, RouterClient
 from services.admission.gateway import Gateway
 from services.admission.idempotency import IdempotencyStore
 from services.admission.metering import MemoryMeter, RedisMeter, UsageMeter
 from services.admission.pricing import PriceTable, parse_price_overrides
-from services.admission.quotas import CounterStore, MemoryCounters, Quotas, RedisCounters
+from services.admission.quotas import MemoryCounters, Quotas, RedisCounters
 from services.admission.tenants import TenantRegistry
 from services.admission.transcript import Transcript
 from services.admission.validation import RequestLimits
@@ -42,6 +43,34 @@ def open_tenants(config: AdmissionConfig) -> TenantRegistry:
     return TenantRegistry.from_file(config.tenants)
 
 
+@dataclass(slots=True, frozen=True)
+class TenantBooks:
+    """What the gateway counts per tenant: token budgets, requests in flight, usage."""
+
+    quotas: Quotas
+    concurrency: ConcurrencyLimits
+    meter: UsageMeter
+
+
+def tenant_books(config: AdmissionConfig, hooks: list[StopHook]) -> TenantBooks:
+    """In Redis when configured (so gateways sharing it enforce one limit), with local
+    fallbacks for while it is unreachable; in this process otherwise."""
+    if not config.redis:
+        return TenantBooks(
+            Quotas(MemoryCounters()), ConcurrencyLimits(MemorySlots()), MemoryMeter()
+        )
+    redis = Redis.from_url(
+        config.redis, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
+    )
+    slots = RedisSlots(redis, config.redis_prefix, config.concurrency_lease_s)
+    hooks += [slots.close, redis.aclose]
+    return TenantBooks(
+        Quotas(RedisCounters(redis, config.redis_prefix), fallback=MemoryCounters()),
+        ConcurrencyLimits(slots, fallback=MemorySlots()),
+        RedisMeter(redis, config.redis_prefix),
+    )
+
+
 def build_gateway(config: AdmissionConfig) -> Assembly:
     """The Gateway for `config` (channels connect lazily: nothing is contacted yet)."""
     router_channel = insecure_channel(config.router)
@@ -55,15 +84,7 @@ def build_gateway(config: AdmissionConfig) -> Assembly:
         cache_channel = insecure_channel(config.cache)
         cache = CacheClient(cache_channel, timeout_s=config.cache_timeout_s)
         hooks.append(lambda: cache_channel.close())
-    store: CounterStore = MemoryCounters()
-    meter: UsageMeter = MemoryMeter()
-    if config.redis:
-        redis = Redis.from_url(
-            config.redis, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
-        )
-        store = RedisCounters(redis, config.redis_prefix)
-        meter = RedisMeter(redis, config.redis_prefix)
-        hooks.append(redis.aclose)
+    books = tenant_books(config, hooks)
     catalog = ModelCatalog(
         catalog_router.list_models,
         tokenizer_specs=parse_tier_map(config.model_path, "model_path"),
@@ -76,8 +97,9 @@ def build_gateway(config: AdmissionConfig) -> Assembly:
         catalog=catalog,
         router=router,
         cache=cache,
-        quotas=Quotas(store, fallback=MemoryCounters() if config.redis else None),
-        meter=meter,
+        quotas=books.quotas,
+        concurrency=books.concurrency,
+        meter=books.meter,
         queue=AdmissionQueue(
             QueueLimits(
                 max_in_flight=config.max_in_flight,
