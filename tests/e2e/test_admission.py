@@ -239,15 +239,23 @@ async def test_tokens_per_minute_budget_is_shared_by_two_gateways(mesh: Mesh) ->
         assert (await bob.generate("other tenants go on", max_tokens=2)).finish_reason
 
 
-async def test_max_concurrent_requests_per_tenant(mesh: Mesh) -> None:
+async def test_max_concurrent_requests_per_tenant_is_shared_by_two_gateways(mesh: Mesh) -> None:
     options: dict[str, Any] = {"max_tokens": 480, "ignore_eos": True, "cache_policy": "bypass"}
-    async with mesh.client("single") as single:
+    async with (
+        mesh.client("single") as single,
+        mesh.client("single", mesh.gateway_b) as single_on_b,
+        mesh.client("bob", mesh.gateway_b) as bob_on_b,
+    ):
         async with single.stream(LONG_PROMPT, **options) as running:
             await anext(running)
-            with pytest.raises(ResourceExhausted) as raised:
-                await single.generate("one more", max_tokens=2)
-            assert "concurrent requests: 1 of 1" in raised.value.quota_violations[0].description
-            assert raised.value.retry_after_s is not None
+            # The one slot is taken on gateway A: both gateways refuse a second request.
+            for client in (single, single_on_b):
+                with pytest.raises(ResourceExhausted) as raised:
+                    await client.generate("one more", max_tokens=2)
+                description = raised.value.quota_violations[0].description
+                assert "concurrent requests: 1 of 1" in description
+                assert raised.value.retry_after_s is not None
+            assert (await bob_on_b.generate("other tenants go on", max_tokens=2)).finish_reason
         # The gateway frees the slot as soon as it sees the cancel (asynchronously).
         deadline = time.monotonic() + 2.0
         while True:
