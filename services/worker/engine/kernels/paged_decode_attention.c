@@ -79,8 +79,11 @@ int paged_decode_attention(const float *q, const float *key_cache, const float *
                            int64_t block_size, int64_t max_blocks, float scale, int threads) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
     int failed = 0;
-    /* Longest rows usually come first: dynamic scheduling keeps the threads evenly busy. */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    /* No more threads than rows: a thread with nothing to do would still join the barrier,
+     * which on a busy machine can cost a whole scheduling slice. Longest rows usually come
+     * first: dynamic scheduling keeps the threads evenly busy. */
+    const int team = rows < threads ? (int)rows : threads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t context = context_lens[r];
         const int64_t *table = block_tables + r * max_blocks;
