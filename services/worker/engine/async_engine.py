@@ -130,7 +130,13 @@ class AsyncEngine:
             await self._call(lambda: self._engine.add_request(req, hold_after_prefill=True))
             return await waiter
         except asyncio.CancelledError:
-            self._submit(lambda: self._abort_hold(rid))
+            if waiter.done() and not waiter.cancelled():
+                # Delivered just before the cancel landed: nobody will ever see this handle.
+                _, handle = waiter.result()
+                if handle is not None:
+                    await asyncio.shield(self.release(handle.handle_id))
+            else:
+                self._submit(lambda: self._abort_hold(rid))
             raise
         except BaseException:
             self._hold_waiters.pop(rid, None)

@@ -162,6 +162,28 @@ async def test_cancel_import_and_unknown_handle(engine: AsyncEngine) -> None:
     await all_blocks_free(engine)
 
 
+async def test_a_hold_cancelled_right_after_its_handle_arrives_releases_it(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel lands after the handle was delivered but before the caller resumed: the
+    caller never sees the handle, so prefill_and_hold itself must unpin the blocks."""
+    task: asyncio.Task[object] | None = None
+    deliver = engine._deliver
+
+    def deliver_then_cancel(items: list[tuple[RequestOutput, object]]) -> None:
+        deliver(items)  # type: ignore[arg-type]
+        assert task is not None
+        task.cancel()
+
+    monkeypatch.setattr(engine, "_deliver", deliver_then_cancel)
+    task = asyncio.create_task(engine.prefill_and_hold(EngineRequest("h", prompt(8, 40), LONG)))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await engine.shutdown()  # the engine is ours to inspect once its thread has stopped
+    assert engine.engine.kv.num_held == 0
+    assert engine.engine.pool.num_free_blocks == NUM_BLOCKS
+
+
 async def test_shutdown_aborts_open_streams(tiny_loaded: LoadedModel) -> None:
     async_engine = AsyncEngine(Engine(tiny_loaded, EngineConfig(num_kv_blocks=NUM_BLOCKS)))
     await async_engine.start()
