@@ -30,6 +30,7 @@ from services.worker.engine.request import (
     FinishReason,
     ImportPlan,
     KvHandle,
+    Priority,
     RequestOutput,
 )
 
@@ -65,6 +66,9 @@ class AsyncEngine:
         self._hold_waiters: dict[str, asyncio.Future[tuple[RequestOutput, KvHandle | None]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        # Set when an interactive request is being submitted; a step of batch work only
+        # stops between layers when it sees it (Engine.step), so the newcomer starts at once.
+        self._interactive_arrived = threading.Event()
         self._stats = engine.stats()
         self._copier: ThreadPoolExecutor | None = None
         self._exports = BlockCopies()  # held handles, by handle id
@@ -108,9 +112,7 @@ class AsyncEngine:
 
     def generate(self, req: EngineRequest) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of one request until it finishes; closing the iterator early aborts it."""
-        return self._stream(
-            req.request_id, lambda: self._call(lambda: self._engine.add_request(req))
-        )
+        return self._stream(req.request_id, lambda: self._add(req))
 
     async def abort(self, request_id: str) -> None:
         await self._call(lambda: self._engine.abort(request_id))
@@ -127,7 +129,7 @@ class AsyncEngine:
         )
         self._hold_waiters[rid] = waiter
         try:
-            await self._call(lambda: self._engine.add_request(req, hold_after_prefill=True))
+            await self._add(req, hold=True)
             return await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
@@ -229,6 +231,13 @@ class AsyncEngine:
         if request_id in self._streams or request_id in self._hold_waiters:
             raise ValueError(f"request id {request_id!r} is already in use")
 
+    async def _add(self, req: EngineRequest, *, hold: bool = False) -> None:
+        if req.priority is Priority.INTERACTIVE:
+            # Before the command is queued: the engine thread clears the flag only once it has
+            # taken a command, so the flag never outlives the command that raised it.
+            self._interactive_arrived.set()
+        await self._call(lambda: self._engine.add_request(req, hold_after_prefill=hold))
+
     async def _call(self, fn: Callable[[], T]) -> T:
         self._check_running()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
@@ -291,7 +300,7 @@ class AsyncEngine:
                 break
             if engine.has_work():
                 try:
-                    outputs = engine.step()
+                    outputs = engine.step(self._interactive_arrived.is_set)
                 except Exception as exc:  # a bug in the engine: end all requests, keep serving
                     logger.exception("engine step crashed")
                     outputs = engine.abort_all(FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
@@ -312,6 +321,7 @@ class AsyncEngine:
                 command = self._commands.get(timeout=None if wait else IDLE_POLL_S)
             else:
                 command = self._commands.get_nowait()
+            self._interactive_arrived.clear()  # whatever raised it is in this batch of commands
             while True:
                 if isinstance(command, _Stop):
                     return False

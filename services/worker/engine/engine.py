@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +23,14 @@ from services.worker.engine.decode_kernel import choose_decode_kernel
 from services.worker.engine.kv_cache_manager import KvCacheManager, KvCapacityError, cdiv
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model_runner import BatchEntry, KvLayout, ModelRunner
+from services.worker.engine.models import StepInterrupted
 from services.worker.engine.output_processor import OutputProcessor
 from services.worker.engine.request import (
     EngineRequest,
     FinishReason,
     ImportPlan,
     KvHandle,
+    Priority,
     RequestOutput,
     RequestState,
     TokenLogprob,
@@ -57,6 +60,7 @@ class EngineStats:
     fingerprint: str
     num_held_handles: int = 0
     num_preemptions: int = 0
+    num_interrupted_steps: int = 0
 
 
 class Engine:
@@ -94,6 +98,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._recent_tokens: deque[tuple[float, int]] = deque()
         self.last_step_num_tokens = 0
+        self.num_interrupted_steps = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -142,8 +147,12 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._pending) or self.scheduler.has_requests()
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns the outputs it (and aborts since) produced."""
+    def step(self, interactive_waiting: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the outputs it (and aborts since) produced.
+
+        interactive_waiting: asked between layers of a step that computes batch work only;
+        when it says True the step is abandoned (nothing advances: its chunks are scheduled
+        again) so that the interactive request just submitted need not wait it out."""
         outputs, self._pending = self._pending, []
         self._expire_deadlines(outputs)
         plan = self.scheduler.schedule()
@@ -151,10 +160,17 @@ class Engine:
         if not plan.chunks:
             return outputs
         sampled = [chunk for chunk in plan.chunks if chunk.want_logits]
+        batch_only = all(c.state.priority is Priority.BATCH for c in plan.chunks)
         try:
-            logits = self.runner.forward([self._batch_entry(chunk) for chunk in plan.chunks])
+            logits = self.runner.forward(
+                [self._batch_entry(chunk) for chunk in plan.chunks],
+                interactive_waiting if batch_only else None,
+            )
             rows = [SampleRow(c.state.request.sampling, c.state.num_output_tokens) for c in sampled]
             result = self.sampler.sample(logits, rows)
+        except StepInterrupted:
+            self.num_interrupted_steps += 1
+            return outputs
         except Exception as exc:  # a failed batch ends its requests, not the engine
             logger.exception("engine step failed")
             error = f"{type(exc).__name__}: {exc}"
@@ -271,6 +287,7 @@ class Engine:
             fingerprint=self.fingerprint,
             num_held_handles=self.kv.num_held,
             num_preemptions=self.scheduler.num_preemptions,
+            num_interrupted_steps=self.num_interrupted_steps,
         )
 
     # ---- internals ----------------------------------------------------------------------

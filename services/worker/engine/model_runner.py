@@ -8,6 +8,7 @@ in that order: layer, K/V, token, kv head, dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate, chain
 
@@ -106,11 +107,17 @@ class ModelRunner:
             head_dim=config.head_dim,
         ).block_bytes
 
-    def forward(self, batch: list[BatchEntry]) -> torch.Tensor:
-        """fp32 logits [entries with want_logits, vocab], in batch order."""
+    def forward(
+        self, batch: list[BatchEntry], interrupt: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
+        """fp32 logits [entries with want_logits, vocab], in batch order.
+
+        interrupt: asked between layers; True stops the pass with StepInterrupted."""
         with torch.inference_mode():
             plan = self._plan(batch)
-            hidden = self.model(plan.token_ids, plan.positions, self._layer_caches, plan.attention)
+            hidden = self.model(
+                plan.token_ids, plan.positions, self._layer_caches, plan.attention, interrupt
+            )
             return self.model.compute_logits(hidden[plan.logit_rows])
 
     def read_block(self, block_id: int) -> bytes:

@@ -19,6 +19,7 @@ from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.request import (
     EngineRequest,
     FinishReason,
+    Priority,
     RequestOutput,
     SamplingParams,
 )
@@ -181,6 +182,36 @@ async def test_a_hold_cancelled_right_after_its_handle_arrives_releases_it(
         await task
     await engine.shutdown()  # the engine is ours to inspect once its thread has stopped
     assert engine.engine.kv.num_held == 0
+    assert engine.engine.pool.num_free_blocks == NUM_BLOCKS
+
+
+async def test_an_interactive_arrival_interrupts_a_batch_only_step(engine: AsyncEngine) -> None:
+    batch = SamplingParams(max_tokens=12, ignore_eos=True)
+    tokens = prompt(11, 30)
+    reference = await collect(
+        engine.generate(EngineRequest("ref", tokens, batch, priority=Priority.BATCH))
+    )
+    gate = Gate()
+    runner = engine.engine.runner
+    runner.forward = gate.wrap(runner.forward)  # type: ignore[method-assign]
+    batch_run = asyncio.create_task(
+        collect(engine.generate(EngineRequest("b", tokens, batch, priority=Priority.BATCH)))
+    )
+    await gate.wait_entered()  # the engine thread is inside a step of batch work only
+    interactive = SamplingParams(max_tokens=3, ignore_eos=True)
+    interactive_run = asyncio.create_task(
+        collect(engine.generate(EngineRequest("i", prompt(12, 20), interactive)))
+    )
+    await asyncio.sleep(0.1)  # the interactive request is submitted
+    del runner.forward  # later steps run ungated
+    gate.opened.set()
+    outs = await interactive_run
+    assert sum(len(o.new_token_ids) for o in outs) == 3
+    assert [t for o in await batch_run for t in o.new_token_ids] == [
+        t for o in reference for t in o.new_token_ids
+    ]
+    await engine.shutdown()
+    assert engine.engine.num_interrupted_steps == 1
     assert engine.engine.pool.num_free_blocks == NUM_BLOCKS
 
 

@@ -77,6 +77,7 @@ def drive(
     arrivals: dict[int, list[EngineRequest]],
     on_step: Callable[[int, Engine], None] | None = None,
     max_steps: int = 2000,
+    interactive_waiting: Callable[[], bool] | None = None,
 ) -> dict[str, Result]:
     """Step the engine, adding arrivals[step] before that step; collect every output."""
     results: dict[str, Result] = {}
@@ -88,7 +89,7 @@ def drive(
             on_step(step, engine)
         if step > max(arrivals) and not engine.has_work():
             return results
-        for out in engine.step():
+        for out in engine.step(interactive_waiting):
             result = results.setdefault(out.request_id, Result())
             result.outputs.append(out)
             result.token_ids.extend(out.new_token_ids)
@@ -141,6 +142,43 @@ def test_tiny_kv_budget_preempts_and_still_matches(
     for i, expected in enumerate(hf_greedy):
         assert results[f"r{i}"].token_ids == expected, f"prompt {i}"
     assert engine.pool.num_free_blocks == 11
+
+
+def test_interrupted_batch_steps_are_redone_exactly(
+    tiny_loaded: LoadedModel, prompts: list[list[int]], hf_greedy: list[list[int]]
+) -> None:
+    """Batch-only steps abandoned between layers (some after a layer already wrote KV) are
+    scheduled again: the tokens still equal transformers' and no block leaks."""
+    engine = make_engine(tiny_loaded)
+    arrivals = staggered(prompts)
+    for requests in arrivals.values():
+        for req in requests:
+            req.priority = Priority.BATCH
+    coin = random.Random(7)
+    results = drive(engine, arrivals, interactive_waiting=lambda: coin.random() < 0.3)
+    assert engine.num_interrupted_steps > 20
+    for i, expected in enumerate(hf_greedy):
+        assert results[f"r{i}"].token_ids == expected, f"prompt {i}"
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_steps_with_interactive_work_are_never_interrupted(
+    tiny_loaded: LoadedModel, prompts: list[list[int]], hf_greedy: list[list[int]]
+) -> None:
+    engine = make_engine(tiny_loaded)
+    short = SamplingParams(max_tokens=8, ignore_eos=True)
+    # The batch request ends well before the interactive one, so it shares every step with
+    # interactive work (alone, with an interactive request forever "waiting", it would stop).
+    arrivals = {
+        0: [
+            EngineRequest("i", prompts[3], GREEDY),
+            EngineRequest("b", prompts[0], short, priority=Priority.BATCH),
+        ]
+    }
+    results = drive(engine, arrivals, interactive_waiting=lambda: True)
+    assert engine.num_interrupted_steps == 0
+    assert results["i"].token_ids == hf_greedy[3]
+    assert results["b"].token_ids == hf_greedy[0][:8]
 
 
 def test_prefix_cache_hit_gives_the_same_tokens_as_a_miss(

@@ -9,6 +9,7 @@ because at batch 1 every extra kernel launch is overhead on top of the weight re
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.engine.attention import AttentionBatch, LayerKvCache, paged_attention
+from services.worker.engine.models import StepInterrupted
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -283,11 +285,17 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[LayerKvCache],
         batch: AttentionBatch,
+        interrupt: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden_size] after the last layer (before the final norm)."""
+        """Hidden states [T, hidden_size] after the last layer (before the final norm).
+
+        interrupt is asked before every layer; when it says True the pass stops with
+        StepInterrupted (the KV it wrote so far belongs to tokens not yet computed)."""
         hidden = self.embed_tokens(token_ids)
         rotations = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            if interrupt is not None and interrupt():
+                raise StepInterrupted
             hidden = layer(hidden, rotations, kv_cache, batch)
         return hidden
 
