@@ -296,9 +296,11 @@ def markdown(report: Report, args: argparse.Namespace) -> str:
     lines += [
         "",
         "The admission-queue column is the gateway's own share of an interactive request's "
-        "TTFT (interactive requests never wait behind batch ones); the rest is the worker's "
-        "engine step, which on a CPU grows with every batch sequence decoding beside it, so "
-        "fewer batch slots buy interactive latency with batch throughput.",
+        "TTFT (interactive requests never wait behind batch ones). In the worker, an "
+        "interactive arrival interrupts a step of batch work only between layers (the step is "
+        "redone afterwards) and batch prefill chunks sit out the step that computes the "
+        "interactive prompt, so what remains is one layer of waiting plus the batch "
+        "sequences' decode rows sharing the interactive request's steps.",
         "",
         f"Response-cache hits ({args.cache_hits} sequential, whole request send -> Finished, "
         "32-token answer, gateway budgets in memory):",

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.request import (
     EngineRequest,
     FinishReason,
+    KvHandle,
     Priority,
     RequestOutput,
     SamplingParams,
@@ -291,8 +293,19 @@ async def test_imported_block_write_does_not_wait_for_the_engine_step(
     await all_blocks_free(engine)
 
 
-async def test_release_waits_for_an_export_in_flight(engine: AsyncEngine) -> None:
-    _, handle = await engine.prefill_and_hold(EngineRequest("p", prompt(12, 37), LONG))
+@dataclass(slots=True)
+class GatedExport:
+    """An export of a held handle's three blocks, stuck inside its block read."""
+
+    handle: KvHandle
+    gate: Gate
+    export: asyncio.Task[list[bytes]]
+    pinned_while_read: list[bool]
+    """Per read: whether every block read was still pinned (ref count > 0) while read."""
+
+
+async def start_gated_export(engine: AsyncEngine, seed: int) -> GatedExport:
+    _, handle = await engine.prefill_and_hold(EngineRequest("p", prompt(seed, 37), LONG))
     assert handle is not None
     pool = engine.engine.pool
     read = engine.engine.read_blocks
@@ -307,6 +320,17 @@ async def test_release_waits_for_an_export_in_flight(engine: AsyncEngine) -> Non
     engine.engine.read_blocks = gate.wrap(checked_read)  # type: ignore[method-assign]
     export = asyncio.create_task(engine.export_blocks(handle.handle_id, [0, 1, 2]))
     await gate.wait_entered()
+    return GatedExport(handle, gate, export, pinned_while_read)
+
+
+async def test_release_waits_for_an_export_in_flight(engine: AsyncEngine) -> None:
+    gated = await start_gated_export(engine, seed=12)
+    handle, gate, export, pinned_while_read = (
+        gated.handle,
+        gated.gate,
+        gated.export,
+        gated.pinned_while_read,
+    )
     release = asyncio.create_task(engine.release(handle.handle_id))
     await asyncio.sleep(0.3)  # ample time for the engine thread to run a release command
     assert not release.done()
@@ -328,21 +352,13 @@ async def test_release_waits_for_an_export_in_flight(engine: AsyncEngine) -> Non
 async def test_cancelled_export_and_release_still_free_after_the_read(
     engine: AsyncEngine,
 ) -> None:
-    _, handle = await engine.prefill_and_hold(EngineRequest("p", prompt(13, 37), LONG))
-    assert handle is not None
-    pool = engine.engine.pool
-    read = engine.engine.read_blocks
-    pinned_while_read: list[bool] = []
-
-    def checked_read(block_ids: list[int]) -> list[bytes]:
-        blobs = read(block_ids)
-        pinned_while_read.append(all(pool.ref_count(b) > 0 for b in block_ids))
-        return blobs
-
-    gate = Gate()
-    engine.engine.read_blocks = gate.wrap(checked_read)  # type: ignore[method-assign]
-    export = asyncio.create_task(engine.export_blocks(handle.handle_id, [0, 1, 2]))
-    await gate.wait_entered()
+    gated = await start_gated_export(engine, seed=13)
+    handle, gate, export, pinned_while_read = (
+        gated.handle,
+        gated.gate,
+        gated.export,
+        gated.pinned_while_read,
+    )
     export.cancel()  # the read goes on: cancelling the caller cannot stop a running thread
     release = asyncio.create_task(engine.release(handle.handle_id))
     await asyncio.sleep(0.1)
