@@ -34,9 +34,7 @@ def chunk_block(
     """The chunks of one block, in offset order, each at most `max_chunk_bytes` of data."""
     if max_chunk_bytes <= 0:
         raise ValueError("max_chunk_bytes must be positive")
-    view = memoryview(data)
-    for offset in range(0, max(len(data), 1), max_chunk_bytes):
-        piece = bytes(view[offset : offset + max_chunk_bytes])
+    for offset, piece in _pieces(data, max_chunk_bytes):
         yield common_pb2.KvChunk(
             block_index=block_index,
             block_hash=block_hash,
@@ -45,6 +43,15 @@ def chunk_block(
             data=piece,
             crc32c=crc32c(piece),
         )
+
+
+def _pieces(data: bytes, max_bytes: int) -> Iterator[tuple[int, bytes]]:
+    if len(data) <= max_bytes:
+        yield 0, data  # the usual case, a block in one chunk: no copy of its bytes
+        return
+    view = memoryview(data)
+    for offset in range(0, len(data), max_bytes):
+        yield offset, bytes(view[offset : offset + max_bytes])
 
 
 def layouts_equal(a: common_pb2.KvLayout, b: common_pb2.KvLayout) -> bool:
@@ -100,6 +107,8 @@ class BlockAssembler:
 
     def add(self, chunk: common_pb2.KvChunk) -> tuple[int, bytes] | None:
         """Takes one chunk; returns (index, block bytes) when it completes a block."""
+        # Read once: every read of a bytes field copies it out of the message.
+        data = chunk.data
         index = chunk.block_index
         if index not in self.expected:
             raise DataLoss(f"KV chunk for block {index}, which was not asked for")
@@ -114,17 +123,22 @@ class BlockAssembler:
             raise DataLoss(
                 f"KV block {index} is {chunk.block_bytes} bytes, the layout says {self.block_bytes}"
             )
-        if crc32c(chunk.data) != chunk.crc32c:
+        if crc32c(data) != chunk.crc32c:
             raise DataLoss(f"KV block {index}: checksum mismatch at offset {chunk.offset}")
-        partial = self._partial.setdefault(index, _PartialBlock(chunk.block_hash))
-        if chunk.offset != len(partial.data):
-            raise DataLoss(
-                f"KV block {index}: piece at offset {chunk.offset}, expected {len(partial.data)}"
-            )
-        if len(partial.data) + len(chunk.data) > self.block_bytes:
+        partial = self._partial.get(index)
+        received = 0 if partial is None else len(partial.data)
+        if chunk.offset != received:
+            raise DataLoss(f"KV block {index}: piece at offset {chunk.offset}, expected {received}")
+        if received + len(data) > self.block_bytes:
             raise DataLoss(f"KV block {index}: more bytes than the block holds")
-        partial.data += chunk.data
-        self.bytes_received += len(chunk.data)
+        self.bytes_received += len(data)
+        if partial is None and len(data) == self.block_bytes:
+            # The whole block in one chunk (the usual case): no reassembly copies.
+            self._done.add(index)
+            return index, data
+        if partial is None:
+            partial = self._partial[index] = _PartialBlock(chunk.block_hash)
+        partial.data += data
         if len(partial.data) < self.block_bytes:
             return None
         del self._partial[index]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate, chain
 
+import numpy as np
 import torch
 
 from services.worker.engine.attention import (
@@ -122,8 +123,12 @@ class ModelRunner:
 
     def read_block(self, block_id: int) -> bytes:
         self._check_block_id(block_id)
-        block = self.kv_cache[:, :, block_id].contiguous().cpu()
-        return block.view(torch.uint8).numpy().tobytes()
+        block = self.kv_cache[:, :, block_id].view(torch.uint8)
+        if block.device.type != "cpu":
+            return block.contiguous().cpu().numpy().tobytes()
+        # numpy gathers the strided slice in one single-threaded pass: torch's copy wakes its
+        # intra-op threads, which takes milliseconds when the cores are busy.
+        return block.numpy().tobytes()
 
     def write_block(self, block_id: int, data: bytes) -> None:
         self._check_block_id(block_id)
@@ -132,9 +137,12 @@ class ModelRunner:
                 f"block data is {len(data)} bytes, layout {self.layout} needs "
                 f"{self.layout.block_bytes}"
             )
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype)
-        target = self.kv_cache[:, :, block_id]
-        target.copy_(raw.view(target.shape))
+        target = self.kv_cache[:, :, block_id].view(torch.uint8)
+        if target.device.type != "cpu":
+            target.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(target.shape))
+            return
+        # Straight from the received bytes, single-threaded (see read_block).
+        target.numpy()[...] = np.frombuffer(data, dtype=np.uint8).reshape(target.shape)
 
     def _check_block_id(self, block_id: int) -> None:
         if not 0 <= block_id < self.num_blocks:
