@@ -303,48 +303,68 @@ class Orchestrator:
         plan = attempt.plan
         assert plan.decode is not None
         prefill_address, decode_address = plan.prefill.address, plan.decode.address
+        timeout = _time_left(deadline)
         prefill = asyncio.ensure_future(
             self.peers.worker(prefill_address).Prefill(
                 worker_pb2.PrefillRequest(request=request, lease_ttl_ms=self.lease_ttl_ms),
-                timeout=_time_left(deadline),
+                timeout=timeout,
             )
         )
+        # Opened while the prompt runs: setting up the call (a new HTTP/2 stream, the decode
+        # worker's handler) is then off the first token's path. The decode worker holds
+        # nothing until the start message, so a call cancelled before it costs nothing.
+        call = self.peers.worker(decode_address).Decode(timeout=timeout)
+        try:
+            prefilled = await self._prefilled(prefill, prefill_address)
+            attempt.cached_prompt_tokens = prefilled.cached_prompt_tokens
+            if prefilled.HasField("finished"):
+                # The first token already ended the request: nothing to decode, no lease.
+                yield common_pb2.GenerateEvent(chunk=prefilled.first_token)
+                yield common_pb2.GenerateEvent(finished=prefilled.finished)
+                return
+            start = worker_pb2.DecodeRequest(
+                request=request, lease=prefilled.lease, first_token=prefilled.first_token
+            )
+            async for event in self._decode(call, start, decode_address, prefill_address):
+                yield event
+        finally:
+            call.cancel()
+
+    async def _prefilled(
+        self, prefill: asyncio.Future[worker_pb2.PrefillResponse], address: str
+    ) -> worker_pb2.PrefillResponse:
+        """The Prefill's answer; a caller gone meanwhile has the lease released once granted."""
         try:
             # Shielded: a Prefill cancelled in flight may still grant a lease whose id then
             # never arrives. If the caller goes away, the prefill (one prompt) completes and
             # its lease is released at once instead of holding blocks until its TTL.
-            prefilled = await asyncio.shield(prefill)
+            return await asyncio.shield(prefill)
         except grpc.aio.AioRpcError as error:
-            raise _worker_error(error, "Prefill", prefill_address) from None
+            raise _worker_error(error, "Prefill", address) from None
         except asyncio.CancelledError:
-            self._spawn(self._release_granted(prefill_address, prefill))
+            self._spawn(self._release_granted(address, prefill))
             raise
-        attempt.cached_prompt_tokens = prefilled.cached_prompt_tokens
-        if prefilled.HasField("finished"):
-            # The first token already ended the request: nothing to decode, no lease.
-            yield common_pb2.GenerateEvent(chunk=prefilled.first_token)
-            yield common_pb2.GenerateEvent(finished=prefilled.finished)
-            return
-        call = self.peers.worker(decode_address).Decode(timeout=_time_left(deadline))
+
+    async def _decode(
+        self,
+        call: grpc.aio.StreamStreamCall[worker_pb2.DecodeMessage, common_pb2.GenerateEvent],
+        start: worker_pb2.DecodeRequest,
+        decode_address: str,
+        prefill_address: str,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        """The decode worker's stream for a granted lease; the lease is released here if the
+        decode never started (once it has, the decode worker releases it after its pull)."""
         decoding = False
         try:
-            await _send_only(
-                call,
-                worker_pb2.DecodeMessage(
-                    start=worker_pb2.DecodeRequest(
-                        request=request, lease=prefilled.lease, first_token=prefilled.first_token
-                    )
-                ),
-            )
+            await _send_only(call, worker_pb2.DecodeMessage(start=start))
             async for event in call:
                 decoding = True
                 yield event
         except grpc.aio.AioRpcError as error:
             raise _worker_error(error, "Decode", decode_address) from None
         finally:
-            call.cancel()
             if not decoding:
-                self._spawn(self._release(prefill_address, prefilled.lease.lease_id))
+                self._spawn(self._release(prefill_address, start.lease.lease_id))
 
     async def _release_granted(
         self, address: str, prefill: asyncio.Future[worker_pb2.PrefillResponse]
