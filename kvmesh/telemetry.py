@@ -20,17 +20,14 @@ from pathlib import Path
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    SimpleSpanProcessor,
-    SpanExporter,
-    SpanExportResult,
-)
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 log = logging.getLogger(__name__)
 
 TRACE_FILE_ENV = "KVMESH_TRACE_FILE"
 """Environment variable naming a JSON-lines file that receives every finished span."""
+TRACE_FILE_DELAY_MS = 200
+"""Most time a finished span waits before it is written to the trace file (and at exit)."""
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -85,7 +82,12 @@ def setup_tracing(
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         log.info("tracing: OTLP export enabled")
     if trace_file:
-        provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(Path(trace_file))))
+        # Batched on the processor's thread: an export per span, on the event loop, would add
+        # a JSON round trip and a file write to every hop of every request.
+        exporter = JsonLinesSpanExporter(Path(trace_file))
+        provider.add_span_processor(
+            BatchSpanProcessor(exporter, schedule_delay_millis=TRACE_FILE_DELAY_MS)
+        )
         log.info("tracing: writing spans to %s", trace_file)
     trace.set_tracer_provider(provider)
     return provider
