@@ -20,6 +20,7 @@ from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.request import (
     EngineRequest,
     FinishReason,
+    ImportPlan,
     KvHandle,
     Priority,
     RequestOutput,
@@ -380,15 +381,21 @@ async def test_cancel_and_commit_wait_for_writes_in_flight(engine: AsyncEngine) 
     assert handle is not None
     (blob,) = await engine.export_blocks(handle.handle_id, [2])
     fill = engine.engine.fill_imported_block
-    gate = Gate()
-    engine.engine.fill_imported_block = gate.wrap(fill)  # type: ignore[method-assign]
+
+    async def import_with_a_stuck_write(
+        request_id: str,
+    ) -> tuple[Gate, ImportPlan, asyncio.Task[None]]:
+        gate = Gate()
+        engine.engine.fill_imported_block = gate.wrap(fill)  # type: ignore[method-assign]
+        plan = await engine.start_import(
+            EngineRequest(request_id, tokens, sampling), handle.block_hashes, handle.num_tokens
+        )
+        write = asyncio.create_task(engine.write_imported_block(plan, 2, blob))
+        await gate.wait_entered()
+        return gate, plan, write
 
     # Cancel: waits for the write, then frees the plan's blocks; later writes are refused.
-    plan = await engine.start_import(
-        EngineRequest("c", tokens, sampling), handle.block_hashes, handle.num_tokens
-    )
-    write = asyncio.create_task(engine.write_imported_block(plan, 2, blob))
-    await gate.wait_entered()
+    gate, plan, write = await import_with_a_stuck_write("c")
     cancel = asyncio.create_task(engine.cancel_import(plan))
     await asyncio.sleep(0.3)
     assert not cancel.done()
@@ -399,13 +406,7 @@ async def test_cancel_and_commit_wait_for_writes_in_flight(engine: AsyncEngine) 
     await cancel
 
     # Commit: its stream starts only once the write in flight has ended.
-    gate = Gate()
-    engine.engine.fill_imported_block = gate.wrap(fill)  # type: ignore[method-assign]
-    plan = await engine.start_import(
-        EngineRequest("d", tokens, sampling), handle.block_hashes, handle.num_tokens
-    )
-    write = asyncio.create_task(engine.write_imported_block(plan, 2, blob))
-    await gate.wait_entered()
+    gate, plan, write = await import_with_a_stuck_write("d")
     stream = engine.commit_import(plan, first.new_token_ids[0])
     output = asyncio.create_task(anext(stream))
     await asyncio.sleep(0.3)
