@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -294,8 +294,7 @@ async def test_imported_block_write_does_not_wait_for_the_engine_step(
     await all_blocks_free(engine)
 
 
-@dataclass(slots=True)
-class GatedExport:
+class GatedExport(NamedTuple):
     """An export of a held handle's three blocks, stuck inside its block read."""
 
     handle: KvHandle
@@ -325,13 +324,7 @@ async def start_gated_export(engine: AsyncEngine, seed: int) -> GatedExport:
 
 
 async def test_release_waits_for_an_export_in_flight(engine: AsyncEngine) -> None:
-    gated = await start_gated_export(engine, seed=12)
-    handle, gate, export, pinned_while_read = (
-        gated.handle,
-        gated.gate,
-        gated.export,
-        gated.pinned_while_read,
-    )
+    handle, gate, export, pinned_while_read = await start_gated_export(engine, seed=12)
     release = asyncio.create_task(engine.release(handle.handle_id))
     await asyncio.sleep(0.3)  # ample time for the engine thread to run a release command
     assert not release.done()
@@ -353,13 +346,7 @@ async def test_release_waits_for_an_export_in_flight(engine: AsyncEngine) -> Non
 async def test_cancelled_export_and_release_still_free_after_the_read(
     engine: AsyncEngine,
 ) -> None:
-    gated = await start_gated_export(engine, seed=13)
-    handle, gate, export, pinned_while_read = (
-        gated.handle,
-        gated.gate,
-        gated.export,
-        gated.pinned_while_read,
-    )
+    handle, gate, export, pinned_while_read = await start_gated_export(engine, seed=13)
     export.cancel()  # the read goes on: cancelling the caller cannot stop a running thread
     release = asyncio.create_task(engine.release(handle.handle_id))
     await asyncio.sleep(0.1)
