@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import queue
@@ -136,7 +137,10 @@ class AsyncEngine:
                 # Delivered just before the cancel landed: nobody will ever see this handle.
                 _, handle = waiter.result()
                 if handle is not None:
-                    await asyncio.shield(self.release(handle.handle_id))
+                    # The caller's cancel is what propagates, even if the engine is already
+                    # shutting down (RuntimeError) and took the handle with it.
+                    with contextlib.suppress(RuntimeError):
+                        await asyncio.shield(self.release(handle.handle_id))
             else:
                 self._submit(lambda: self._abort_hold(rid))
             raise
