@@ -10,6 +10,7 @@ import torch
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("none", "int8")
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")
+SMALL_BATCH_LINEAR = ("auto", "kernel", "torch")
 
 
 @dataclass(slots=True)
@@ -58,6 +59,11 @@ class EngineConfig:
     compiled on first use), "sdpa" (gathered blocks + torch SDPA, any device), or "auto"
     (the kernel where it applies and a C compiler is present, else SDPA)."""
 
+    small_batch_linear: str = "auto"
+    """How projections of steps with few rows (batch-1 decode and the like) run: "kernel"
+    (the C matrix-vector kernel, CPU float32 only, compiled on first use), "torch" (torch's
+    matmul), or "auto" (the kernel where it applies and a C compiler is present)."""
+
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -71,6 +77,11 @@ class EngineConfig:
         if self.decode_attention not in DECODE_ATTENTION:
             raise ValueError(
                 f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
+            )
+        if self.small_batch_linear not in SMALL_BATCH_LINEAR:
+            raise ValueError(
+                f"small_batch_linear must be one of {SMALL_BATCH_LINEAR}, "
+                f"got {self.small_batch_linear!r}"
             )
         positive = {
             "block_size": self.block_size,

@@ -1,43 +1,23 @@
-"""The paged decode-attention kernel (kernels/paged_decode_attention.c): built, loaded, called.
+"""The paged decode-attention kernel (kernels/paged_decode_attention.c): loaded and called.
 
 On CPU, attending decode rows through torch means gathering each row's blocks into a padded
 tensor and running a masked SDPA over it: the context is read twice, written once, and padded.
 The C kernel reads each row's real K/V once, straight through its block table (measured 3-4x
-less time per decode step's attention on 2 cores, 64 rows of 64-640 tokens).
-
-The kernel is compiled with the machine's C compiler the first time it is needed and cached
-under ~/.cache/kvmesh/kernels, keyed by the source, the flags, the compiler and the CPU, since
-it is built for this CPU (-march=native). Without a compiler the engine keeps the SDPA path.
+less time per decode step's attention on 2 cores, 64 rows of 64-640 tokens). kernel_build.py
+compiles and caches it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("kernels") / "paged_decode_attention.c"
-# -fno-math-errno lets expf vectorize; no -ffast-math, whose start-up code would flip the
-# whole process's floating-point flags.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+from services.worker.engine.kernel_build import choose_kernel, load_library
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here (no C compiler, or it failed)."""
 
 
 class DecodeKernel:
@@ -87,80 +67,15 @@ class DecodeKernel:
         return out
 
 
-def kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """The kernel is written for float32 tensors in CPU memory."""
-    return device.type == "cpu" and dtype == torch.float32
-
-
 def choose_decode_kernel(
     mode: str, device: torch.device, dtype: torch.dtype, num_threads: int
 ) -> DecodeKernel | None:
-    """The kernel for EngineConfig.decode_attention, or None for the SDPA path.
-
-    "kernel" insists (ValueError / KernelUnavailable when it cannot run); "auto" falls back to
-    SDPA with a warning when the kernel cannot be built."""
-    if mode == "sdpa":
-        return None
-    if not kernel_applies(device, dtype):
-        if mode == "kernel":
-            raise ValueError(f"the decode kernel runs on CPU float32 only, not {device} {dtype}")
-        return None
-    try:
-        return load_decode_kernel(num_threads)
-    except KernelUnavailable as exc:
-        if mode == "kernel":
-            raise
-        logger.warning("decode attention falls back to SDPA: %s", exc)
-        return None
+    """The kernel for EngineConfig.decode_attention ("auto" | "kernel" | "sdpa"), or None for
+    the SDPA path (see kernel_build.choose_kernel)."""
+    return choose_kernel(mode, "sdpa", device, dtype, lambda: load_decode_kernel(num_threads))
 
 
 @functools.cache
 def load_decode_kernel(num_threads: int) -> DecodeKernel:
     """The kernel, compiled on first use (KernelUnavailable when it cannot be)."""
-    return DecodeKernel(ctypes.CDLL(str(_build())), num_threads)
-
-
-def _build() -> Path:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise KernelUnavailable("no C compiler (cc, or $CC) on PATH")
-    version = _run([compiler, "--version"])
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS).encode(), version.encode(), _cpu_id()):
-        key.update(part)
-    target = _cache_dir() / f"paged_decode_attention-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Compiled beside the target, then renamed: processes starting together never load a
-        # half-written library.
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            _run([compiler, *CFLAGS, str(SOURCE), "-o", str(built), "-lm"])
-            built.replace(target)
-        logger.info("compiled the decode-attention kernel into %s", target)
-    return target
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvmesh" / "kernels"
-
-
-def _cpu_id() -> bytes:
-    """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor().encode()
-    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(sorted(set(wanted))).encode()
-
-
-def _run(command: list[str]) -> str:
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise KernelUnavailable(f"{command[0]} failed: {exc}") from exc
-    if done.returncode != 0:
-        raise KernelUnavailable(f"{' '.join(command)} failed:\n{done.stderr.strip()}")
-    return done.stdout
+    return DecodeKernel(load_library("paged_decode_attention"), num_threads)

@@ -21,6 +21,7 @@ from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.decode_kernel import choose_decode_kernel
 from services.worker.engine.kv_cache_manager import KvCacheManager, KvCapacityError, cdiv
+from services.worker.engine.linear_kernel import choose_linear_kernel
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model_runner import BatchEntry, KvLayout, ModelRunner
 from services.worker.engine.models import StepInterrupted
@@ -80,10 +81,18 @@ class Engine:
             loaded.config.max_position_embeddings,
         )
         num_blocks = _num_blocks(loaded, config)
-        decode_kernel = choose_decode_kernel(
-            config.decode_attention, loaded.device, loaded.dtype, torch.get_num_threads()
+        threads = torch.get_num_threads()
+        self.runner = ModelRunner(
+            loaded,
+            num_blocks,
+            config.block_size,
+            decode_kernel=choose_decode_kernel(
+                config.decode_attention, loaded.device, loaded.dtype, threads
+            ),
+            linear_kernel=choose_linear_kernel(
+                config.small_batch_linear, loaded.device, loaded.dtype, threads
+            ),
         )
-        self.runner = ModelRunner(loaded, num_blocks, config.block_size, decode_kernel)
         self.layout = self.runner.layout
         self.pool = BlockPool(num_blocks)
         self.kv = KvCacheManager(

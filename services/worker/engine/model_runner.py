@@ -23,8 +23,9 @@ from services.worker.engine.attention import (
     PrefillSpan,
 )
 from services.worker.engine.decode_kernel import DecodeKernel
+from services.worker.engine.linear_kernel import SmallBatchLinear
 from services.worker.engine.loader import LoadedModel
-from services.worker.engine.models.llama import ModelConfig
+from services.worker.engine.models.llama import ModelConfig, Project, project_with_torch
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -69,9 +70,12 @@ class ModelRunner:
         loaded: LoadedModel,
         num_blocks: int,
         block_size: int = 16,
+        *,
         decode_kernel: DecodeKernel | None = None,
+        linear_kernel: SmallBatchLinear | None = None,
     ) -> None:
-        """decode_kernel: attends the decode rows when given (CPU float32); SDPA otherwise."""
+        """decode_kernel: attends the decode rows when given (CPU float32); SDPA otherwise.
+        linear_kernel: runs the projections of steps with few rows when given (CPU float32)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
@@ -82,6 +86,7 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.decode_kernel = decode_kernel
+        self.project: Project = linear_kernel or project_with_torch
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layout = KvLayout(
@@ -117,9 +122,14 @@ class ModelRunner:
         with torch.inference_mode():
             plan = self._plan(batch)
             hidden = self.model(
-                plan.token_ids, plan.positions, self._layer_caches, plan.attention, interrupt
+                plan.token_ids,
+                plan.positions,
+                self._layer_caches,
+                plan.attention,
+                interrupt,
+                self.project,
             )
-            return self.model.compute_logits(hidden[plan.logit_rows])
+            return self.model.compute_logits(hidden[plan.logit_rows], self.project)
 
     def read_block(self, block_id: int) -> bytes:
         self._check_block_id(block_id)

@@ -3,19 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from services.worker.engine import decode_kernel
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.decode_kernel import (
-    KernelUnavailable,
-    choose_decode_kernel,
-    load_decode_kernel,
-)
+from services.worker.engine.decode_kernel import choose_decode_kernel, load_decode_kernel
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
@@ -98,29 +91,3 @@ def test_choice_follows_the_mode_and_the_tensors() -> None:
 def test_config_refuses_an_unknown_mode() -> None:
     with pytest.raises(ValueError, match="decode_attention must be one of"):
         EngineConfig(decode_attention="flash").validate()
-
-
-def test_without_a_compiler_auto_falls_back_and_kernel_refuses(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setenv("CC", "no-such-compiler-kvmesh")
-    load_decode_kernel.cache_clear()
-    try:
-        with pytest.raises(KernelUnavailable, match="no C compiler"):
-            choose_decode_kernel("kernel", CPU, torch.float32, 1)
-        assert choose_decode_kernel("auto", CPU, torch.float32, 1) is None
-        assert "falls back to SDPA" in caplog.text
-    finally:
-        load_decode_kernel.cache_clear()
-
-
-def test_build_is_cached_by_source_and_compiled_once(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    first = decode_kernel._build()
-    assert first.parent == tmp_path / "kvmesh" / "kernels"
-    built_at = os.stat(first).st_mtime_ns
-    assert decode_kernel._build() == first
-    assert os.stat(first).st_mtime_ns == built_at  # reused, not rebuilt
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no scratch left behind

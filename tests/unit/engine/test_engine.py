@@ -15,6 +15,7 @@ from transformers import LlamaForCausalLM
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.kv_cache_manager import KvCapacityError
+from services.worker.engine.linear_kernel import SmallBatchLinear
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.request import (
     EngineRequest,
@@ -106,15 +107,21 @@ def staggered(
     return {3 * n: [EngineRequest(f"r{i}", prompts[i], sampling)] for n, i in enumerate(order)}
 
 
-@pytest.mark.parametrize("decode_attention", ["kernel", "sdpa"])
+@pytest.mark.parametrize(
+    ("decode_attention", "small_batch_linear"), [("kernel", "kernel"), ("sdpa", "torch")]
+)
 def test_greedy_staggered_continuous_batch_matches_transformers(
     tiny_loaded: LoadedModel,
     prompts: list[list[int]],
     hf_greedy: list[list[int]],
     decode_attention: str,
+    small_batch_linear: str,
 ) -> None:
-    engine = make_engine(tiny_loaded, decode_attention=decode_attention)
+    engine = make_engine(
+        tiny_loaded, decode_attention=decode_attention, small_batch_linear=small_batch_linear
+    )
     assert (engine.runner.decode_kernel is not None) == (decode_attention == "kernel")
+    assert isinstance(engine.runner.project, SmallBatchLinear) == (small_batch_linear == "kernel")
     max_running = 0
 
     def watch(step: int, eng: Engine) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from services.worker.engine.decode_kernel import DecodeKernel, load_decode_kernel
+from services.worker.engine.decode_kernel import load_decode_kernel
+from services.worker.engine.linear_kernel import load_linear_kernel
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model_runner import (
     GROUP_COST_IN_BLOCKS,
@@ -31,10 +33,17 @@ def tiny_hf(tiny_llama_dir: Path) -> LlamaForCausalLM:
     return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(params=["sdpa", "kernel"])
-def decode_kernel(request: pytest.FixtureRequest) -> DecodeKernel | None:
-    """Both decode-attention paths: SDPA groups, and the C kernel."""
-    return load_decode_kernel(torch.get_num_threads()) if request.param == "kernel" else None
+@pytest.fixture(params=["torch", "kernels"])
+def kernels(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Both ways a CPU step runs: torch alone (SDPA decode groups, torch matmuls), and the C
+    kernels (paged decode attention, small-batch projections)."""
+    if request.param == "torch":
+        return {}
+    threads = torch.get_num_threads()
+    return {
+        "decode_kernel": load_decode_kernel(threads),
+        "linear_kernel": load_linear_kernel(threads),
+    }
 
 
 def hf_logits(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
@@ -49,12 +58,10 @@ def sequence(seed: int, length: int, vocab: int) -> list[int]:
 
 
 def test_mixed_batch_with_chunked_prefill_matches_hf(
-    tiny_loaded: LoadedModel, tiny_hf: LlamaForCausalLM, decode_kernel: DecodeKernel | None
+    tiny_loaded: LoadedModel, tiny_hf: LlamaForCausalLM, kernels: dict[str, Any]
 ) -> None:
     vocab = tiny_loaded.config.vocab_size
-    runner = ModelRunner(
-        tiny_loaded, num_blocks=40, block_size=BLOCK_SIZE, decode_kernel=decode_kernel
-    )
+    runner = ModelRunner(tiny_loaded, num_blocks=40, block_size=BLOCK_SIZE, **kernels)
     # Scattered, interleaved block ids so a wrong slot mapping cannot go unnoticed.
     tables = {"a": [7, 3, 30, 12], "b": [1, 25, 9, 18, 33, 4, 21, 15], "c": [38, 2]}
     seqs = {"a": sequence(1, 40, vocab), "b": sequence(2, 100, vocab), "c": sequence(3, 7, vocab)}
@@ -152,14 +159,14 @@ def test_forward_rejects_a_block_table_too_short(tiny_loaded: LoadedModel) -> No
 
 
 def test_decodes_of_very_different_lengths_match_hf(
-    tiny_loaded: LoadedModel, tiny_hf: LlamaForCausalLM, decode_kernel: DecodeKernel | None
+    tiny_loaded: LoadedModel, tiny_hf: LlamaForCausalLM, kernels: dict[str, Any]
 ) -> None:
     """Short and long contexts in one step: separate padding groups for SDPA, one kernel call
     reading each row's own blocks otherwise."""
     vocab = tiny_loaded.config.vocab_size
     lengths = [5, 300, 12, 290]
     seqs = [sequence(20 + i, n, vocab) for i, n in enumerate(lengths)]
-    runner = ModelRunner(tiny_loaded, num_blocks=48, decode_kernel=decode_kernel)
+    runner = ModelRunner(tiny_loaded, num_blocks=48, **kernels)
     tables, next_block = [], 0
     for seq in seqs:
         blocks = (len(seq) + 1 + BLOCK_SIZE - 1) // BLOCK_SIZE

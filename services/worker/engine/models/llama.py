@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,44 @@ from services.worker.engine.attention import AttentionBatch, LayerKvCache, paged
 from services.worker.engine.models import StepInterrupted
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class Project(Protocol):
+    """How the model's projections run (project_with_torch, or linear_kernel.SmallBatchLinear,
+    which fuses the element-wise work around a projection into its matmul).
+
+    module(f(x)) for x [rows, in], where f is `norm` when given, SwiGLU when gated (x is
+    [gate | up], overwritten), else nothing; with `residual` the product is added into it in
+    place and the residual is returned."""
+
+    def __call__(
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        *,
+        norm: RMSNorm | None = None,
+        gated: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+def project_with_torch(
+    module: nn.Module,
+    x: torch.Tensor,
+    *,
+    norm: RMSNorm | None = None,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The Project every device has: torch ops, one after another."""
+    if norm is not None:
+        x = norm(x)
+    if gated:
+        gate, up = x.chunk(2, dim=-1)
+        # In place: the gate/up activations are a layer's largest temporaries.
+        x = F.silu(gate, inplace=True).mul_(up)
+    y = module(x)
+    return y if residual is None else residual.add_(y)
 
 
 @dataclass(slots=True, frozen=True)
@@ -245,21 +283,21 @@ class LlamaLayer(nn.Module):
         rotations: torch.Tensor,
         kv_cache: LayerKvCache,
         batch: AttentionBatch,
+        project: Project,
     ) -> torch.Tensor:
         """hidden [T, hidden_size] -> the layer's output (computed in place into `hidden`)."""
         tokens = hidden.shape[0]
-        x = self.input_norm(hidden)
-        qkv = self.qkv_proj(x).view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = project(self.qkv_proj, hidden, norm=self.input_norm).view(
+            tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim
+        )
         rotated = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], rotations)
         q = rotated[:, : self.num_heads]
         k = rotated[:, self.num_heads :]
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         attn = paged_attention(q, k, v, kv_cache, batch)
-        hidden.add_(self.o_proj(attn.reshape(tokens, -1)))
-        x = self.post_attention_norm(hidden)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        # In place: the gate/up activations are this layer's largest temporaries.
-        return hidden.add_(self.down_proj(F.silu(gate, inplace=True).mul_(up)))
+        project(self.o_proj, attn.reshape(tokens, -1), residual=hidden)
+        gate_up = project(self.gate_up_proj, hidden, norm=self.post_attention_norm)
+        return project(self.down_proj, gate_up, gated=True, residual=hidden)
 
 
 class LlamaModel(nn.Module):
@@ -286,17 +324,19 @@ class LlamaModel(nn.Module):
         kv_caches: list[LayerKvCache],
         batch: AttentionBatch,
         interrupt: Callable[[], bool] | None = None,
+        project: Project = project_with_torch,
     ) -> torch.Tensor:
         """Hidden states [T, hidden_size] after the last layer (before the final norm).
 
         interrupt is asked before every layer; when it says True the pass stops with
-        StepInterrupted (the KV it wrote so far belongs to tokens not yet computed)."""
+        StepInterrupted (the KV it wrote so far belongs to tokens not yet computed).
+        project runs the layers' projections."""
         hidden = self.embed_tokens(token_ids)
         rotations = self.rotary.lookup(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             if interrupt is not None and interrupt():
                 raise StepInterrupted
-            hidden = layer(hidden, rotations, kv_cache, batch)
+            hidden = layer(hidden, rotations, kv_cache, batch, project)
         return hidden
 
     def decoder_layers(self) -> list[LlamaLayer]:
@@ -352,9 +392,11 @@ class LlamaModel(nn.Module):
             state["lm_head.weight"] = self.lm_head.weight.detach()
         return state
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, project: Project = project_with_torch
+    ) -> torch.Tensor:
         """fp32 logits for the given rows of final hidden states."""
-        return self.lm_head(self.final_norm(hidden)).float()
+        return project(self.lm_head, hidden, norm=self.final_norm).float()
 
 
 def fuse_hf_weights(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,121 @@
+"""The engine's C kernels (kernels/*.c): compiled on first use, cached, loaded, chosen.
+
+Each kernel is compiled with the machine's C compiler the first time it is needed and cached
+under ~/.cache/kvmesh/kernels, keyed by the source, the flags, the compiler and the CPU, since
+it is built for this CPU (-march=native). Without a compiler the engine keeps torch's path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+KERNELS_DIR = Path(__file__).with_name("kernels")
+# -fno-math-errno lets expf vectorize; no -ffast-math, whose start-up code would flip the
+# whole process's floating-point flags.
+CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+KERNEL_MODES = ("auto", "kernel")
+
+Kernel = TypeVar("Kernel")
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel cannot be built or loaded here (no C compiler, or it failed)."""
+
+
+def kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
+    """The kernels are written for float32 tensors in CPU memory."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
+def choose_kernel(
+    mode: str,
+    fallback: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    load: Callable[[], Kernel],
+) -> Kernel | None:
+    """The kernel for an EngineConfig mode, or None for torch's path (named `fallback`).
+
+    "kernel" insists (ValueError / KernelUnavailable when it cannot run); "auto" falls back
+    with a warning when the kernel cannot be built; `fallback` means torch's path."""
+    if mode == fallback:
+        return None
+    if not kernel_applies(device, dtype):
+        if mode == "kernel":
+            raise ValueError(f"the kernels run on CPU float32 only, not {device} {dtype}")
+        return None
+    try:
+        return load()
+    except KernelUnavailable as exc:
+        if mode == "kernel":
+            raise
+        logger.warning("falls back to %s: %s", fallback, exc)
+        return None
+
+
+def load_library(name: str) -> ctypes.CDLL:
+    """kernels/<name>.c as a loaded library, compiled on first use (KernelUnavailable when it
+    cannot be)."""
+    return ctypes.CDLL(str(build(name)))
+
+
+def build(name: str) -> Path:
+    """The cached shared library of kernels/<name>.c, compiled if not cached yet."""
+    source = KERNELS_DIR / f"{name}.c"
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise KernelUnavailable("no C compiler (cc, or $CC) on PATH")
+    version = _run([compiler, "--version"])
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(CFLAGS).encode(), version.encode(), _cpu_id()):
+        key.update(part)
+    target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Compiled beside the target, then renamed: processes starting together never load a
+        # half-written library.
+        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+            built = Path(scratch) / target.name
+            _run([compiler, *CFLAGS, str(source), "-o", str(built), "-lm"])
+            built.replace(target)
+        logger.info("compiled the %s kernel into %s", name, target)
+    return target
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvmesh" / "kernels"
+
+
+def _cpu_id() -> bytes:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(wanted))).encode()
+
+
+def _run(command: list[str]) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise KernelUnavailable(f"{command[0]} failed: {exc}") from exc
+    if done.returncode != 0:
+        raise KernelUnavailable(f"{' '.join(command)} failed:\n{done.stderr.strip()}")
+    return done.stdout

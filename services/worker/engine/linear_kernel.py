@@ -1,0 +1,114 @@
+"""Small-batch linear layers (kernels/small_batch_linear.c): loaded, called, chosen per step.
+
+A decode step with one to a few rows is the weights' matrix-vector products: each weight is
+read once and used for that many multiply-adds, so the step can run as fast as memory
+streams the weights. torch's fp32 matmul does not get there on the CPU for these shapes (on
+2 cores of an AMD EPYC, 6-13 GB/s against a 24 GB/s copy); the kernel reads each weight row
+once over all threads at about the copy bandwidth. Larger batches keep torch's matmul, which
+reuses each weight across enough rows to be bound by arithmetic instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+from torch import nn
+
+from services.worker.engine.kernel_build import choose_kernel, load_library
+from services.worker.engine.models.llama import RMSNorm, project_with_torch
+
+# Up to this many rows the kernel beats torch's matmul (measured on the target CPU: 2 cores,
+# AVX2; at 16 rows it still reads the weights ~1.4x faster).
+MAX_ROWS = 16
+
+_POINTER = ctypes.c_void_p
+_INT = ctypes.c_int64
+
+
+class SmallBatchLinear:
+    """A Project (models/llama.py) that runs plain nn.Linear projections of at most max_rows
+    rows through the kernel, their norm, SwiGLU and residual add fused in; anything else
+    (int8 projections, bigger batches) runs through torch."""
+
+    def __init__(self, library: ctypes.CDLL, num_threads: int, max_rows: int = MAX_ROWS) -> None:
+        self._function = library.small_batch_linear
+        self._function.restype = ctypes.c_int
+        self._function.argtypes = [
+            *(_POINTER, _INT, _INT),  # x, rows, x row stride
+            *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
+            *(_POINTER, _INT, _INT),  # weight, in, outs
+            *(_POINTER, ctypes.c_int, ctypes.c_int),  # y, accumulate, threads
+        ]
+        self.num_threads = num_threads
+        self.max_rows = max_rows
+
+    def __call__(
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        *,
+        norm: RMSNorm | None = None,
+        gated: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if not self._takes(module, x, residual):
+            return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
+        assert isinstance(module, nn.Linear)  # checked by _takes
+        if norm is not None and gated:
+            raise ValueError("a projection is normed or gated, not both")
+        weight = module.weight
+        width = 2 * module.in_features if gated else module.in_features
+        if x.shape[1] != width:
+            raise ValueError(f"{module} takes rows of {width} values, got {x.shape[1]}")
+        if residual is not None and residual.shape != (x.shape[0], module.out_features):
+            raise ValueError(f"residual {tuple(residual.shape)} does not fit {module}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = residual if residual is not None else x.new_empty(x.shape[0], module.out_features)
+        # No torch.profiler.record_function around the call: at ~8 us it would cost a third
+        # of a batch-1 projection's time outside the matmul.
+        status = self._function(
+            x.data_ptr(),
+            x.shape[0],
+            x.stride(0),
+            None if norm is None else norm.weight.data_ptr(),
+            0.0 if norm is None else norm.eps,
+            gated,
+            weight.data_ptr(),
+            module.in_features,
+            module.out_features,
+            y.data_ptr(),
+            residual is not None,
+            self.num_threads,
+        )
+        if status != 0:
+            raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
+        return y
+
+    def _takes(self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether the kernel can compute this projection (the tensors are CPU float32: the
+        engine only chooses the kernel for such a model)."""
+        return (
+            type(module) is nn.Linear
+            and module.bias is None
+            and module.weight.is_contiguous()
+            and x.dim() == 2
+            and x.shape[0] <= self.max_rows
+            and (residual is None or residual.is_contiguous())
+        )
+
+
+def choose_linear_kernel(
+    mode: str, device: torch.device, dtype: torch.dtype, num_threads: int
+) -> SmallBatchLinear | None:
+    """The kernel for EngineConfig.small_batch_linear ("auto" | "kernel" | "torch"), or None
+    for torch's matmul (see kernel_build.choose_kernel)."""
+    return choose_kernel(mode, "torch", device, dtype, lambda: load_linear_kernel(num_threads))
+
+
+@functools.cache
+def load_linear_kernel(num_threads: int) -> SmallBatchLinear:
+    """The kernel, compiled on first use (KernelUnavailable when it cannot be)."""
+    return SmallBatchLinear(load_library("small_batch_linear"), num_threads)

@@ -1,0 +1,63 @@
+"""Building, caching and choosing the engine's C kernels (kernel_build.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.engine import kernel_build
+from services.worker.engine.decode_kernel import choose_decode_kernel, load_decode_kernel
+from services.worker.engine.kernel_build import KernelUnavailable
+from services.worker.engine.linear_kernel import choose_linear_kernel, load_linear_kernel
+
+CPU = torch.device("cpu")
+KERNELS = ("paged_decode_attention", "small_batch_linear")
+
+
+def test_every_kernel_source_is_built() -> None:
+    assert sorted(p.stem for p in kernel_build.KERNELS_DIR.glob("*.c")) == sorted(KERNELS)
+
+
+def test_without_a_compiler_auto_falls_back_and_kernel_refuses(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-kvmesh")
+    load_decode_kernel.cache_clear()
+    load_linear_kernel.cache_clear()
+    try:
+        for choose, fallback in ((choose_decode_kernel, "sdpa"), (choose_linear_kernel, "torch")):
+            with pytest.raises(KernelUnavailable, match="no C compiler"):
+                choose("kernel", CPU, torch.float32, 1)
+            assert choose("auto", CPU, torch.float32, 1) is None
+            assert f"falls back to {fallback}" in caplog.text
+    finally:
+        load_decode_kernel.cache_clear()
+        load_linear_kernel.cache_clear()
+
+
+def test_a_source_that_does_not_compile_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(kernel_build, "KERNELS_DIR", tmp_path / "src")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "broken.c").write_text("int broken( {\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(KernelUnavailable, match=r"broken\.c"):
+        kernel_build.build("broken")
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_build_is_cached_by_source_and_compiled_once(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = kernel_build.build(name)
+    assert first.parent == tmp_path / "kvmesh" / "kernels"
+    assert first.name.startswith(f"{name}-")
+    built_at = os.stat(first).st_mtime_ns
+    assert kernel_build.build(name) == first
+    assert os.stat(first).st_mtime_ns == built_at  # reused, not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no scratch left behind
