@@ -1,11 +1,15 @@
 """Runs one request on its placement: prefill -> decode hand-off (or colocated), retry, fallback.
 
 Rules (see DESIGN.md, "Reliability"):
-- The first token reaches the caller only once a worker streams it: colocated, the worker's
-  first chunk; split, the decode worker's first chunk, which it sends after importing the KV.
-  So a failure of the prefill, the KV pull or the decode start is still "before the first
-  token" and is retried once, on other workers while others are in rotation.
-- After the first token, a failure is not re-run: the caller gets UNAVAILABLE, whose message
+- The first token reaches the caller as soon as a worker has it: colocated, the worker's
+  first chunk; split, the Prefill's answer, so the KV hand-off is off the first token's path.
+  A failure before it is retried once, on other workers while others are in rotation.
+- A split request whose hand-off fails after its first token went out (the decode start or
+  the KV pull: anything before the decode worker confirms the import) is resumed within the
+  same two attempts: the prompt runs again on other workers of its tier and the new decode
+  continues after the token already sent, so nothing streamed is re-run. Started keeps the
+  first placement; the router's span records the new one.
+- After the hand-off, a failure is not re-run: the caller gets UNAVAILABLE, whose message
   ends with the usage so far ("usage so far: prompt_tokens=.. cached_prompt_tokens=..
   completion_tokens=.."); a deadline that passes mid-stream ends it with finish reason
   DEADLINE and the partial usage instead.
@@ -61,11 +65,36 @@ _NOT_RETRIED = (InvalidArgument, DeadlineExceeded, Cancelled, PermissionDenied, 
 
 @dataclass(slots=True)
 class _Attempt:
-    """What one attempt learned on its way, for Started and Finished."""
+    """What one attempt learned on its way, for Started, Finished and the hand-off rules."""
 
     plan: Plan
+    first_token: common_pb2.TokenChunk | None = None
+    """Split: the first token the caller has: this attempt's prefill's, or, when the attempt
+    resumes a failed hand-off, the earlier attempt's (the new prefill's own is dropped)."""
+    handed_off: bool = False
+    """The decode worker confirmed the KV import: it owns the lease, and the request's fate."""
     cached_prompt_tokens: int = 0
-    lease_released: bool = False
+
+    @property
+    def resumable(self) -> bool:
+        """A failure now can be resumed on other workers: the caller has the first token but
+        no decode worker continued after it yet, so nothing streamed would be re-run."""
+        return self.first_token is not None and not self.handed_off
+
+
+@dataclass(slots=True)
+class _Job:
+    """One request across its attempts: what every attempt needs, and where to try next."""
+
+    request: common_pb2.InferenceRequest
+    request_id: str
+    deadline: float | None
+    cancelled: asyncio.Event
+    live: set[Coalescer[common_pb2.GenerateEvent]]
+    choice: TierChoice
+    attempts: int = 0
+    avoid: set[str] = field(default_factory=set)
+    retry_note: str = ""
 
 
 @dataclass(slots=True)
@@ -132,99 +161,126 @@ class Orchestrator:
         if not request.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids", "must not be empty")
         request_id = request.request_id or uuid.uuid4().hex
-        choice = self.choose_tier(request)
-        avoid: set[str] = set()
-        retry_note = ""
-        for number in range(1, MAX_ATTEMPTS + 1):
-            plan = self._place(request, choice, avoid, retry_note)
-            attempt = _Attempt(plan)
-            downstream = _downstream_request(request, plan.tier, request_id, number)
-            events = Coalescer(self._attempt_events(attempt, downstream, deadline))
-            live.add(events)
+        job = _Job(request, request_id, deadline, cancelled, live, self.choose_tier(request))
+        while True:
+            attempt, events = self._start(job, self._next_plan(job))
             try:
                 first = await run_unless_cancelled(anext(events, None), cancelled)
                 if first is None and not cancelled.is_set():
-                    raise Unavailable(f"{plan.prefill.address} ended the stream without output")
+                    raise Unavailable(
+                        f"{attempt.plan.prefill.address} ended the stream without output"
+                    )
             except KvmeshError as error:
                 await events.aclose()
-                addresses = [w.address for w in plan.workers]
-                if number == MAX_ATTEMPTS or isinstance(error, _NOT_RETRIED):
-                    raise _attempts_failed(error, number) from None
-                log.warning(
-                    "attempt %d of %s on %s failed: %s", number, request_id, addresses, error
-                )
-                span.add_event(
-                    "kvmesh.retry",
-                    {"kvmesh.failed_workers": addresses, "kvmesh.error": str(error)},
-                )
-                metrics.RETRIES.labels(plan.tier, error.status).inc()
-                # Check the failed workers before placing again: a dead one leaves the
-                # rotation (and may take its tier down to the fallback) before the retry.
-                await self.monitor.check_many(addresses)
-                try:
-                    choice = resolve_tier(self.registry, choice.requested, choice.why)
-                except Unavailable as nowhere:
-                    raise Unavailable(
-                        f"{error.message}; no worker left to retry on: {nowhere}"
-                    ) from None
-                avoid.update(addresses)
-                retry_note = f"retry after {error.status} on {', '.join(addresses)}"
+                await self._prepare_retry(job, attempt, error)
                 continue
             if first is None:
                 await events.aclose()
                 yield _aborted(_Usage(len(request.prompt_token_ids)), arrived)
                 return
-            _record_placement(span, plan, number)
+            plan = attempt.plan
+            _record_placement(span, plan, job.attempts)
             metrics.PLACEMENTS.labels(
                 plan.tier, "colocated" if plan.colocated else "split", str(plan.fallback).lower()
             ).inc()
             yield common_pb2.GenerateEvent(
                 started=common_pb2.Started(
-                    request_id=request_id, model=plan.tier, placement=_placement(plan, number)
+                    request_id=request_id, model=plan.tier, placement=_placement(plan, job.attempts)
                 )
             )
-            async for event in self._forward(attempt, first, events, cancelled, arrived, request):
+            async for event in self._forward(job, attempt, first, events, arrived):
                 yield event
             return
 
-    def _place(
-        self,
-        request: common_pb2.InferenceRequest,
-        choice: TierChoice,
-        avoid: set[str],
-        retry_note: str,
-    ) -> Plan:
+    def _next_plan(self, job: _Job) -> Plan:
+        """Where the job's next attempt runs (counted as made)."""
+        job.attempts += 1
         plan = place(
             self.registry,
-            choice,
-            request.prompt_token_ids,
-            request.cache_salt,
+            job.choice,
+            job.request.prompt_token_ids,
+            job.request.cache_salt,
             self.load_cost_tokens,
-            avoid,
+            job.avoid,
         )
-        if retry_note:
+        if job.retry_note:
             plan = Plan(
                 tier=plan.tier,
                 fallback=plan.fallback,
                 prefill=plan.prefill,
                 decode=plan.decode,
-                reason=f"{plan.reason}; {retry_note}",
+                reason=f"{plan.reason}; {job.retry_note}",
                 expected_prefix_hit_tokens=plan.expected_prefix_hit_tokens,
             )
         return plan
 
+    def _start(
+        self, job: _Job, plan: Plan, first_token: common_pb2.TokenChunk | None = None
+    ) -> tuple[_Attempt, Coalescer[common_pb2.GenerateEvent]]:
+        """Starts an attempt on `plan`; its events are drained from now on, and kept in live."""
+        attempt = _Attempt(plan, first_token)
+        downstream = _downstream_request(job.request, plan.tier, job.request_id, job.attempts)
+        events = Coalescer(self._attempt_events(attempt, downstream, job.deadline))
+        job.live.add(events)
+        return attempt, events
+
+    async def _prepare_retry(self, job: _Job, attempt: _Attempt, error: KvmeshError) -> None:
+        """Readies the job for another attempt after `error`, or raises when there is none:
+        the last attempt failed, the error is not one a retry can fix, or no worker is left."""
+        addresses = [w.address for w in attempt.plan.workers]
+        if job.attempts >= MAX_ATTEMPTS or isinstance(error, _NOT_RETRIED):
+            raise _attempts_failed(error, job.attempts)
+        log.warning(
+            "attempt %d of %s on %s failed: %s", job.attempts, job.request_id, addresses, error
+        )
+        trace.get_current_span().add_event(
+            "kvmesh.retry", {"kvmesh.failed_workers": addresses, "kvmesh.error": str(error)}
+        )
+        metrics.RETRIES.labels(attempt.plan.tier, error.status).inc()
+        # Check the failed workers before placing again: a dead one leaves the rotation (and
+        # may take its tier down to the fallback) before the retry.
+        await self.monitor.check_many(addresses)
+        try:
+            job.choice = resolve_tier(self.registry, job.choice.requested, job.choice.why)
+        except Unavailable as nowhere:
+            raise Unavailable(f"{error.message}; no worker left to retry on: {nowhere}") from None
+        job.avoid.update(addresses)
+        job.retry_note = f"retry after {error.status} on {', '.join(addresses)}"
+
+    async def _resume_hand_off(
+        self,
+        job: _Job,
+        attempt: _Attempt,
+        events: Coalescer[common_pb2.GenerateEvent],
+        error: KvmeshError,
+    ) -> tuple[_Attempt, Coalescer[common_pb2.GenerateEvent]]:
+        """A new attempt for a request whose caller has its first token but whose KV hand-off
+        failed: the prompt runs again on other workers and the decode continues after the
+        token already sent, so the caller sees one uninterrupted stream.
+
+        Started went out with the first placement; the router's span records the new one."""
+        await events.aclose()
+        await self._prepare_retry(job, attempt, error)
+        plan = self._next_plan(job)
+        if plan.colocated or plan.tier != attempt.plan.tier:
+            # Another tier's (or a colocated worker's) KV does not continue this first token.
+            raise Unavailable(
+                f"{error.message}; no {attempt.plan.tier} prefill and decode workers left "
+                "to resume the hand-off on"
+            )
+        _record_placement(trace.get_current_span(), plan, job.attempts)
+        return self._start(job, plan, attempt.first_token)
+
     async def _forward(
         self,
+        job: _Job,
         attempt: _Attempt,
         first: list[common_pb2.GenerateEvent],
         events: Coalescer[common_pb2.GenerateEvent],
-        cancelled: asyncio.Event,
         arrived: float,
-        request: common_pb2.InferenceRequest,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
         """Forwards the attempt's events, coalescing chunks; the rules after the first token."""
-        tier = attempt.plan.tier
-        usage = _Usage(len(request.prompt_token_ids))
+        usage = _Usage(len(job.request.prompt_token_ids))
         first_token_at: float | None = None
         batch: list[common_pb2.GenerateEvent] | None = first
         try:
@@ -234,7 +290,7 @@ class Orchestrator:
                     if event.WhichOneof("event") == "chunk":
                         if first_token_at is None:
                             first_token_at = time.monotonic()
-                            metrics.TIME_TO_FIRST_TOKEN.labels(tier).observe(
+                            metrics.TIME_TO_FIRST_TOKEN.labels(attempt.plan.tier).observe(
                                 first_token_at - arrived
                             )
                         usage.completion_tokens += len(event.chunk.token_ids)
@@ -242,14 +298,21 @@ class Orchestrator:
                     elif event.WhichOneof("event") == "finished":
                         yield _finished(event.finished, attempt, usage, arrived, first_token_at)
                         return
-                batch = await run_unless_cancelled(anext(events, None), cancelled)
-            if cancelled.is_set():
+                try:
+                    batch = await run_unless_cancelled(anext(events, None), job.cancelled)
+                except KvmeshError as error:
+                    if not attempt.resumable:
+                        raise
+                    attempt, events = await self._resume_hand_off(job, attempt, events, error)
+                    batch = []
+            if job.cancelled.is_set():
                 yield _aborted(usage, arrived, first_token_at)
                 return
             raise Unavailable("the worker ended the stream without a Finished event")
         except DeadlineExceeded:
             yield _deadline(usage, arrived, first_token_at)
         except KvmeshError as error:
+            tier = attempt.plan.tier
             metrics.FAILURES_AFTER_FIRST_TOKEN.labels(tier).inc()
             self._spawn(self.monitor.check_many([w.address for w in attempt.plan.workers]))
             raise Unavailable(
@@ -311,21 +374,31 @@ class Orchestrator:
             )
         )
         # Opened while the prompt runs: setting up the call (a new HTTP/2 stream, the decode
-        # worker's handler) is then off the first token's path. The decode worker holds
-        # nothing until the start message, so a call cancelled before it costs nothing.
+        # worker's handler) is then off the hand-off's path. The decode worker holds nothing
+        # until the start message, so a call cancelled before it costs nothing.
         call = self.peers.worker(decode_address).Decode(timeout=timeout)
         try:
             prefilled = await self._prefilled(prefill, prefill_address)
             attempt.cached_prompt_tokens = prefilled.cached_prompt_tokens
-            if prefilled.HasField("finished"):
-                # The first token already ended the request: nothing to decode, no lease.
+            if attempt.first_token is None:
+                # The caller gets the prefill's token at once: the KV hand-off runs after the
+                # first token, not before it.
+                attempt.first_token = prefilled.first_token
                 yield common_pb2.GenerateEvent(chunk=prefilled.first_token)
-                yield common_pb2.GenerateEvent(finished=prefilled.finished)
-                return
+                if prefilled.HasField("finished"):
+                    # The first token ended the request: nothing to decode, no lease.
+                    yield common_pb2.GenerateEvent(finished=prefilled.finished)
+                    return
+            elif prefilled.HasField("finished"):
+                # Only unseeded sampling can end the prompt's second run at a different token.
+                raise Unavailable(
+                    f"Prefill on {prefill_address}: the prompt's second run ended at its own "
+                    "first token, so there is no KV to continue the first one from"
+                )
             start = worker_pb2.DecodeRequest(
-                request=request, lease=prefilled.lease, first_token=prefilled.first_token
+                request=request, lease=prefilled.lease, first_token=attempt.first_token
             )
-            async for event in self._decode(call, start, decode_address, prefill_address):
+            async for event in self._decode(attempt, call, start, decode_address, prefill_address):
                 yield event
         finally:
             call.cancel()
@@ -347,24 +420,33 @@ class Orchestrator:
 
     async def _decode(
         self,
+        attempt: _Attempt,
         call: grpc.aio.StreamStreamCall[worker_pb2.DecodeMessage, common_pb2.GenerateEvent],
         start: worker_pb2.DecodeRequest,
         decode_address: str,
         prefill_address: str,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
-        """The decode worker's stream for a granted lease; the lease is released here if the
-        decode never started (once it has, the decode worker releases it after its pull)."""
-        decoding = False
+        """The decode worker's stream for a granted lease, after the first token.
+
+        The worker's first chunk echoes the first token once it imported the KV: the caller
+        has that token already, so it only marks the hand-off done. Until then the lease is
+        released here if the decode fails (after it, the decode worker releases it)."""
+        received = False
         try:
             await _send_only(call, worker_pb2.DecodeMessage(start=start))
             async for event in call:
-                decoding = True
-                yield event
+                received = True
+                if attempt.handed_off or event.WhichOneof("event") != "chunk":
+                    yield event
+                else:
+                    attempt.handed_off = True
         except grpc.aio.AioRpcError as error:
             raise _worker_error(error, "Decode", decode_address) from None
         finally:
-            if not decoding:
+            if not attempt.handed_off:
                 self._spawn(self._release(prefill_address, start.lease.lease_id))
+        if not received:
+            raise Unavailable(f"Decode on {decode_address} ended without a word")
 
     async def _release_granted(
         self, address: str, prefill: asyncio.Future[worker_pb2.PrefillResponse]

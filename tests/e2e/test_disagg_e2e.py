@@ -92,7 +92,7 @@ async def _kill_when_sending(
         await asyncio.sleep(0.02)
 
 
-async def test_prefill_killed_during_pull_is_reprefilled_on_the_other(
+async def test_prefill_killed_during_pull_is_resumed_on_the_other(
     stack: Stack, tiny_llama_dir: Path
 ) -> None:
     (expected,) = offline(tiny_llama_dir, [PROMPT], GREEDY)
@@ -103,19 +103,20 @@ async def test_prefill_killed_during_pull_is_reprefilled_on_the_other(
         killed = await _kill_when_sending(stack.prefill, baseline)
         events = [event async for event in call]
     survivor = next(p for p in stack.prefill if p is not killed)
+    # The first token went out before the pull, from the killed worker's prefill ...
     placement = events[0].started.placement
-    assert placement.attempts == 2
-    assert placement.prefill_worker == survivor.address
-    assert f"retry after UNAVAILABLE on {killed.address}" in placement.reason
+    assert (placement.attempts, placement.prefill_worker) == (1, killed.address)
+    # ... and the stream continues after it, with nothing sent twice.
     tokens = [t for e in events if e.WhichOneof("event") == "chunk" for t in e.chunk.token_ids]
     assert tokens == expected
     assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert events[-1].finished.usage.completion_tokens == len(expected)
 
-    # The decision, its reason and the failed attempt are on the router's span as well.
+    # The resumed placement, its reason and the failed attempt are on the router's span.
     span = await _router_span(stack.trace_file, "kill-p")
     attributes = span["attributes"]
     assert attributes["kvmesh.placement.attempts"] == 2
-    assert attributes["kvmesh.placement.reason"] == placement.reason
+    assert f"retry after UNAVAILABLE on {killed.address}" in attributes["kvmesh.placement.reason"]
     assert attributes["kvmesh.placement.prefill_worker"] == survivor.address
     assert attributes["gen_ai.request.model"] == "tiny"
     assert attributes["gen_ai.usage.output_tokens"] == len(expected)

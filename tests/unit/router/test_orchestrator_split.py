@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import pytest
@@ -18,14 +18,24 @@ from tests.unit.router.factories import healthy, registry, tier
 
 PREFILL, DECODE = "prefill:1", "decode:1"
 LEASE = common_pb2.KvLease(lease_id="lease-1", worker_address=PREFILL, num_tokens=3)
+LEASE_2 = common_pb2.KvLease(lease_id="lease-2", worker_address=PREFILL, num_tokens=3)
 FIRST = common_pb2.TokenChunk(token_ids=[7])
+ECHO = common_pb2.GenerateEvent(chunk=FIRST)
+"""The decode worker's first chunk: the first token again, once the KV is imported."""
+LENGTH = common_pb2.GenerateEvent(
+    finished=common_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+)
+
+
+DecodeStep: TypeAlias = common_pb2.GenerateEvent | grpc.aio.AioRpcError | asyncio.Event
+"""What a stand-in Decode call does next: stream an event, fail, or wait for the event."""
 
 
 @dataclass
 class FakeDecodeCall:
-    """A Decode call: records what is written; streams `events` once the start arrived."""
+    """A Decode call: records what is written; plays `steps` once the start arrived."""
 
-    events: list[common_pb2.GenerateEvent]
+    steps: list[DecodeStep]
     written: list[worker_pb2.DecodeMessage] = field(default_factory=list)
     cancelled: bool = False
     _started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -43,8 +53,13 @@ class FakeDecodeCall:
 
     async def _stream(self) -> AsyncIterator[common_pb2.GenerateEvent]:
         await self._started.wait()
-        for event in self.events:
-            yield event
+        for step in self.steps:
+            if isinstance(step, asyncio.Event):
+                await step.wait()
+            elif isinstance(step, grpc.aio.AioRpcError):
+                raise step
+            else:
+                yield step
 
     def __aiter__(self) -> AsyncIterator[common_pb2.GenerateEvent]:
         return self._stream()
@@ -52,10 +67,15 @@ class FakeDecodeCall:
 
 @dataclass
 class FakeWorkers:
-    """Both workers' stubs: Prefill answers when the test resolves `prefill`."""
+    """Both workers' stubs. The first Prefill answers when the test resolves `prefill`, later
+    ones with `retry_prefill`; the first Decode call plays `decode_steps`, later ones
+    `retry_decode_steps` (both default to the first call's)."""
 
     prefill: asyncio.Future[worker_pb2.PrefillResponse]
-    decode_events: list[common_pb2.GenerateEvent]
+    decode_steps: list[DecodeStep]
+    retry_prefill: worker_pb2.PrefillResponse | None = None
+    retry_decode_steps: list[DecodeStep] | None = None
+    prefill_requests: list[worker_pb2.PrefillRequest] = field(default_factory=list)
     decode_calls: list[FakeDecodeCall] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
 
@@ -65,10 +85,16 @@ class FakeWorkers:
     def Prefill(
         self, request: worker_pb2.PrefillRequest, timeout: float | None
     ) -> Awaitable[worker_pb2.PrefillResponse]:
+        self.prefill_requests.append(request)
+        if len(self.prefill_requests) > 1 and self.retry_prefill is not None:
+            return asyncio.sleep(0, self.retry_prefill)
         return asyncio.shield(self.prefill)
 
     def Decode(self, timeout: float | None) -> FakeDecodeCall:
-        call = FakeDecodeCall(self.decode_events)
+        steps = self.decode_steps
+        if self.decode_calls and self.retry_decode_steps is not None:
+            steps = self.retry_decode_steps
+        call = FakeDecodeCall(steps)
         self.decode_calls.append(call)
         return call
 
@@ -100,6 +126,31 @@ async def run(orchestrator: Orchestrator) -> list[common_pb2.GenerateEvent]:
     return [event async for event in events]
 
 
+def rpc_error(details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+    )
+
+
+def chunk(*token_ids: int) -> common_pb2.GenerateEvent:
+    return common_pb2.GenerateEvent(chunk=common_pb2.TokenChunk(token_ids=token_ids))
+
+
+async def first_two(
+    events: AsyncIterator[common_pb2.GenerateEvent],
+) -> list[common_pb2.GenerateEvent]:
+    """Started and the first chunk, which must come without the decode worker's help."""
+    return [await asyncio.wait_for(anext(events), 5) for _ in range(2)]
+
+
+def kinds(events: list[common_pb2.GenerateEvent]) -> list[str | None]:
+    return [event.WhichOneof("event") for event in events]
+
+
+def tokens(events: list[common_pb2.GenerateEvent]) -> list[int]:
+    return [t for event in events for t in event.chunk.token_ids]
+
+
 async def test_the_decode_call_opens_while_the_prompt_runs() -> None:
     finished = common_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_LENGTH)
     workers = FakeWorkers(
@@ -124,11 +175,7 @@ async def test_the_decode_call_opens_while_the_prompt_runs() -> None:
 
 async def test_a_failed_prefill_cancels_the_open_decode_call() -> None:
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [])
-    workers.prefill.set_exception(
-        grpc.aio.AioRpcError(
-            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone"
-        )
-    )
+    workers.prefill.set_exception(rpc_error("gone"))
     with pytest.raises(Unavailable, match="gone"):
         await run(orchestrator(workers))
     assert len(workers.decode_calls) == 2  # the first try and the retry
@@ -154,3 +201,91 @@ async def test_a_decode_that_never_starts_releases_the_lease() -> None:
     await asyncio.sleep(0.01)  # releases run in the background
     assert workers.released == ["lease-1", "lease-1"]
     assert all(call.cancelled for call in workers.decode_calls)
+
+
+async def test_the_first_token_reaches_the_caller_before_the_kv_hand_off() -> None:
+    importing = asyncio.Event()  # the decode worker is busy pulling the KV until this is set
+    workers = FakeWorkers(
+        asyncio.get_running_loop().create_future(), [importing, ECHO, chunk(8), LENGTH]
+    )
+    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    events = orchestrator(workers).run(inference_request(), None, asyncio.Event(), set())
+    ahead = await first_two(events)
+    assert kinds(ahead) == ["started", "chunk"] and ahead[1].chunk == FIRST
+    (call,) = workers.decode_calls
+    assert [m.start.first_token for m in call.written] == [FIRST]
+
+    importing.set()
+    rest = [event async for event in events]
+    assert kinds(rest) == ["chunk", "finished"]
+    assert tokens(rest) == [8]  # the decode worker's echo of the first token is not forwarded
+    await asyncio.sleep(0.01)
+    assert workers.released == []  # the decode worker imported, so it releases the lease
+
+
+async def test_a_hand_off_failing_after_the_first_token_resumes_from_that_token() -> None:
+    workers = FakeWorkers(
+        asyncio.get_running_loop().create_future(),
+        [rpc_error("pulling KV failed")],
+        # The prompt's second run samples another token: the caller keeps the first one.
+        retry_prefill=worker_pb2.PrefillResponse(
+            first_token=common_pb2.TokenChunk(token_ids=[9]), lease=LEASE_2
+        ),
+        retry_decode_steps=[ECHO, chunk(8), LENGTH],
+    )
+    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    events = await run(orchestrator(workers))
+    assert kinds(events) == ["started", "chunk", "chunk", "finished"]
+    assert tokens(events) == [7, 8]
+    assert events[0].started.placement.attempts == 1  # sent before the hand-off failed
+    assert [r.request.request_id for r in workers.prefill_requests] == ["r", "r~2"]
+    _, resumed = workers.decode_calls
+    (start,) = resumed.written
+    assert start.start.first_token == FIRST and start.start.lease == LEASE_2
+    await asyncio.sleep(0.01)
+    assert workers.released == ["lease-1"]  # the failed hand-off's; lease-2 was imported
+
+
+async def test_a_failure_after_the_hand_off_is_not_resumed() -> None:
+    workers = FakeWorkers(
+        asyncio.get_running_loop().create_future(), [ECHO, chunk(8), rpc_error("decode died")]
+    )
+    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    with pytest.raises(Unavailable, match="not re-run") as raised:
+        await run(orchestrator(workers))
+    assert "completion_tokens=2" in raised.value.message
+    assert (len(workers.prefill_requests), len(workers.decode_calls)) == (1, 1)
+    await asyncio.sleep(0.01)
+    assert workers.released == []
+
+
+async def test_a_resumed_prompt_ending_at_its_own_first_token_cannot_continue() -> None:
+    stop = common_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_STOP)
+    workers = FakeWorkers(
+        asyncio.get_running_loop().create_future(),
+        [rpc_error("pulling KV failed")],
+        retry_prefill=worker_pb2.PrefillResponse(
+            first_token=common_pb2.TokenChunk(token_ids=[2]), finished=stop
+        ),
+    )
+    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    with pytest.raises(Unavailable, match="second run ended at its own first token"):
+        await run(orchestrator(workers))
+    assert len(workers.decode_calls) == 2 and all(c.cancelled for c in workers.decode_calls)
+    assert workers.decode_calls[1].written == []
+
+
+async def test_a_cancel_during_the_hand_off_aborts_with_the_first_token_counted() -> None:
+    workers = FakeWorkers(asyncio.get_running_loop().create_future(), [asyncio.Event()])
+    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    cancelled = asyncio.Event()
+    events = orchestrator(workers).run(inference_request(), None, cancelled, set())
+    ahead = await first_two(events)
+    assert kinds(ahead) == ["started", "chunk"]
+    cancelled.set()
+    (last,) = [event async for event in events]
+    assert last.finished.finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert last.finished.usage.completion_tokens == 1
+    await asyncio.sleep(0.01)
+    (call,) = workers.decode_calls
+    assert call.cancelled and workers.released == ["lease-1"]
