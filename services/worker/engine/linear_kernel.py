@@ -18,6 +18,7 @@ from torch import nn
 
 from services.worker.engine.kernel_build import choose_kernel, load_library
 from services.worker.engine.models.llama import RMSNorm, project_with_torch
+from services.worker.engine.quant import Int8Linear
 
 # Up to this many rows the kernel beats torch's matmul (measured on the target CPU: 2 cores,
 # AVX2; at 16 rows it still reads the weights ~1.4x faster).
@@ -28,9 +29,9 @@ _INT = ctypes.c_int64
 
 
 class SmallBatchLinear:
-    """A Project (models/llama.py) that runs plain nn.Linear projections of at most max_rows
-    rows through the kernel, their norm, SwiGLU and residual add fused in; anything else
-    (int8 projections, bigger batches) runs through torch."""
+    """A Project (models/llama.py) that runs projections of at most max_rows rows (bias-free
+    nn.Linear in float32, or Int8Linear) through the kernel, their norm, SwiGLU and residual
+    add fused in; anything else (bigger batches, other modules) runs through torch."""
 
     def __init__(self, library: ctypes.CDLL, num_threads: int, max_rows: int = MAX_ROWS) -> None:
         self._function = library.small_batch_linear
@@ -38,7 +39,7 @@ class SmallBatchLinear:
         self._function.argtypes = [
             *(_POINTER, _INT, _INT),  # x, rows, x row stride
             *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
-            *(_POINTER, _INT, _INT),  # weight, in, outs
+            *(_POINTER, _POINTER, _INT, _INT),  # weight, int8 scales (or NULL), in, outs
             *(_POINTER, ctypes.c_int, ctypes.c_int),  # y, accumulate, threads
         ]
         self.num_threads = num_threads
@@ -53,20 +54,26 @@ class SmallBatchLinear:
         gated: bool = False,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if not self._takes(module, x, residual):
+        weights = kernel_weights(module)
+        if (
+            weights is None
+            or x.dim() != 2
+            or x.shape[0] > self.max_rows
+            or (residual is not None and not residual.is_contiguous())
+        ):
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
-        assert isinstance(module, nn.Linear)  # checked by _takes
         if norm is not None and gated:
             raise ValueError("a projection is normed or gated, not both")
-        weight = module.weight
-        width = 2 * module.in_features if gated else module.in_features
+        weight, scales = weights
+        outs, ins = weight.shape
+        width = 2 * ins if gated else ins
         if x.shape[1] != width:
             raise ValueError(f"{module} takes rows of {width} values, got {x.shape[1]}")
-        if residual is not None and residual.shape != (x.shape[0], module.out_features):
+        if residual is not None and residual.shape != (x.shape[0], outs):
             raise ValueError(f"residual {tuple(residual.shape)} does not fit {module}")
         if x.stride(1) != 1:
             x = x.contiguous()
-        y = residual if residual is not None else x.new_empty(x.shape[0], module.out_features)
+        y = residual if residual is not None else x.new_empty(x.shape[0], outs)
         # No torch.profiler.record_function around the call: at ~8 us it would cost a third
         # of a batch-1 projection's time outside the matmul.
         status = self._function(
@@ -77,8 +84,9 @@ class SmallBatchLinear:
             0.0 if norm is None else norm.eps,
             gated,
             weight.data_ptr(),
-            module.in_features,
-            module.out_features,
+            None if scales is None else scales.data_ptr(),
+            ins,
+            outs,
             y.data_ptr(),
             residual is not None,
             self.num_threads,
@@ -87,17 +95,16 @@ class SmallBatchLinear:
             raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
         return y
 
-    def _takes(self, module: nn.Module, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """Whether the kernel can compute this projection (the tensors are CPU float32: the
-        engine only chooses the kernel for such a model)."""
-        return (
-            type(module) is nn.Linear
-            and module.bias is None
-            and module.weight.is_contiguous()
-            and x.dim() == 2
-            and x.shape[0] <= self.max_rows
-            and (residual is None or residual.is_contiguous())
-        )
+
+def kernel_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bfloat16 scales for int8 weights) of a projection the kernel computes, or None.
+    The tensors are on the CPU: the engine only chooses the kernel for a CPU float32 model."""
+    if type(module) is nn.Linear:
+        if module.bias is None and module.weight.is_contiguous():
+            return module.weight, None
+    elif type(module) is Int8Linear:
+        return module.weight_int8, module.scales
+    return None
 
 
 def choose_linear_kernel(

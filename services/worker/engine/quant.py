@@ -1,10 +1,12 @@
 """int8 weight-only quantization: symmetric, one scale per output channel.
 
 Applied at load time to the attention and MLP projections; embeddings, norms and the LM head
-stay in floating point. The matmul is torch's `_weight_int8pack_mm`, which reads the int8
-weights directly. On this CPU (AVX-512) it is ~4x faster than an fp32 matmul at batch 1 when
+stay in floating point. On CPU, steps of a few rows (batch-1 decode and the like) go through the
+small-batch kernel (linear_kernel.py), which reads the int8 weights and their scales directly,
+with float32 activations. Bigger batches use torch's `_weight_int8pack_mm`, which also reads
+the int8 weights directly: on an AVX-512 Xeon ~4x faster than an fp32 matmul at batch 1 when
 fed bf16 activations, and about as fast as fp32 at batch 32; with fp32 activations it is
-slower than fp32. So activations go through bf16 for the matmul and come back in the model dtype.
+slower than fp32. So activations go through bf16 for it and come back in the model dtype.
 Devices without that kernel (CUDA in current torch builds) dequantize each weight per matmul:
 correct, half the resident weight memory, but no faster than bf16.
 """

@@ -1,4 +1,5 @@
-/* y = f(x) W^T for a few rows of x (CPU, float32): the projections of a small decode step.
+/* y = f(x) W^T for a few rows of x (CPU, float32 activations; float32 weights, or int8 weights
+ * with a scale per output row): the projections of a small decode step.
  *
  * With one to a few rows, every weight is used for that many multiply-adds after being read
  * from memory, so the product runs exactly as fast as the weights stream in. The weight rows
@@ -14,22 +15,49 @@
  *
  * Layouts:
  *   x    [rows, in] (or [rows, 2 * in] gated), row stride x_stride, unit column stride
- *   w    [outs, in] contiguous (an nn.Linear weight)
+ *   w    [outs, in] contiguous: an nn.Linear weight (float32), or an Int8Linear's int8 weight
+ *        with its bfloat16 scales [outs] (y = f(x) . q_n * scale_n)
  *   y    [rows, outs] contiguous
  * Vectors are GCC vector extensions: AVX2 + FMA code with -march=native on x86 (FMA by the
  * default -ffp-contract=fast), NEON on ARM.
  */
 #include <math.h>
 #include <stdint.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include <stdlib.h>
 #include <string.h>
 
 typedef float v8 __attribute__((vector_size(32)));
 
-static inline v8 load8(const float *p) {
+typedef int8_t v8q __attribute__((vector_size(8)));
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE v8 load8(const float *p) {
     v8 v;
     memcpy(&v, p, sizeof v); /* unaligned load */
     return v;
+}
+
+/* Weights are float32, or int8 (quantized != 0) scaled per output row after the dot product.
+ * `quantized` is always a literal at the call sites, so each kind gets its own code. */
+ALWAYS_INLINE v8 weights8(const void *w, int64_t index, int quantized) {
+    if (!quantized) return load8((const float *)w + index);
+#ifdef __AVX2__
+    /* GCC turns the generic conversion below into one conversion per lane. */
+    const __m128i q = _mm_loadl_epi64((const __m128i *)((const int8_t *)w + index));
+    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+#else
+    v8q q;
+    memcpy(&q, (const int8_t *)w + index, sizeof q);
+    return __builtin_convertvector(q, v8);
+#endif
+}
+
+ALWAYS_INLINE float weight1(const void *w, int64_t index, int quantized) {
+    return quantized ? (float)((const int8_t *)w)[index] : ((const float *)w)[index];
 }
 
 static inline float sum8(v8 v) {
@@ -38,73 +66,91 @@ static inline float sum8(v8 v) {
     return s;
 }
 
+/* A bfloat16 (the int8 scales' dtype) as a float: its bits are a float's upper half. */
+static inline float bf16_to_float(uint16_t bits) {
+    const uint32_t wide = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &wide, sizeof f);
+    return f;
+}
+
 enum { WEIGHT_ROWS = 4 };
 
-/* y[m, 0..3] for two x rows m, m + 1 against weight rows w[0..3] (dots[r], dots[4 + r]). */
-static void two_rows(const float *restrict xa, const float *restrict xb, const float *restrict w,
-                     int64_t in, float dots[8]) {
-    const float *w0 = w, *w1 = w + in, *w2 = w + 2 * in, *w3 = w + 3 * in;
+/* x rows xa and xb against weight rows 0..3 of w (row stride in): dots[r] and dots[4 + r]. */
+ALWAYS_INLINE void two_rows(const float *restrict xa, const float *restrict xb, const void *w,
+                            int64_t in, int quantized, float dots[8]) {
     const int64_t body = in & ~(int64_t)7;
     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     for (int64_t k = 0; k < body; k += 8) {
         const v8 va = load8(xa + k), vb = load8(xb + k);
-        const v8 u0 = load8(w0 + k), u1 = load8(w1 + k), u2 = load8(w2 + k), u3 = load8(w3 + k);
+        const v8 u0 = weights8(w, k, quantized), u1 = weights8(w, in + k, quantized);
+        const v8 u2 = weights8(w, 2 * in + k, quantized), u3 = weights8(w, 3 * in + k, quantized);
         a0 += u0 * va, a1 += u1 * va, a2 += u2 * va, a3 += u3 * va;
         b0 += u0 * vb, b1 += u1 * vb, b2 += u2 * vb, b3 += u3 * vb;
     }
     const v8 sums[8] = {a0, a1, a2, a3, b0, b1, b2, b3};
     for (int r = 0; r < 8; r++) {
-        const float *x = r < 4 ? xa : xb, *row = w + (r % 4) * in;
+        const float *x = r < 4 ? xa : xb;
+        const int64_t row = (r % 4) * in;
         float dot = sum8(sums[r]);
-        for (int64_t k = body; k < in; k++) dot += row[k] * x[k];
+        for (int64_t k = body; k < in; k++) dot += weight1(w, row + k, quantized) * x[k];
         dots[r] = dot;
     }
 }
 
-/* y[m, 0..3] for one x row against weight rows w[0..3]. */
-static void one_row(const float *restrict x, const float *restrict w, int64_t in, float dots[4]) {
-    const float *w0 = w, *w1 = w + in, *w2 = w + 2 * in, *w3 = w + 3 * in;
+/* One x row against weight rows 0..3 of w: dots[r]. */
+ALWAYS_INLINE void one_row(const float *restrict x, const void *w, int64_t in, int quantized,
+                           float dots[4]) {
     const int64_t body = in & ~(int64_t)7;
     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t k = 0; k < body; k += 8) {
         const v8 v = load8(x + k);
-        a0 += load8(w0 + k) * v, a1 += load8(w1 + k) * v;
-        a2 += load8(w2 + k) * v, a3 += load8(w3 + k) * v;
+        a0 += weights8(w, k, quantized) * v, a1 += weights8(w, in + k, quantized) * v;
+        a2 += weights8(w, 2 * in + k, quantized) * v, a3 += weights8(w, 3 * in + k, quantized) * v;
     }
     const v8 sums[4] = {a0, a1, a2, a3};
     for (int r = 0; r < 4; r++) {
-        const float *row = w + r * in;
         float dot = sum8(sums[r]);
-        for (int64_t k = body; k < in; k++) dot += row[k] * x[k];
+        for (int64_t k = body; k < in; k++) dot += weight1(w, r * in + k, quantized) * x[k];
         dots[r] = dot;
     }
 }
 
-/* Output columns [n, n + 4) of every row: weight rows n..n+3 read from memory once. */
-static void four_outputs(const float *x, int64_t rows, int64_t x_stride, const float *w,
-                         int64_t in, float *y, int64_t outs, int accumulate) {
+/* y[m, n] (+)= dot * scale of output n, for the outputs [n, n + count) of row m. */
+static inline void store(float *y, const float *dots, const uint16_t *scales, int64_t count,
+                         int accumulate) {
+    for (int64_t c = 0; c < count; c++) {
+        const float value = scales == NULL ? dots[c] : dots[c] * bf16_to_float(scales[c]);
+        y[c] = value + (accumulate ? y[c] : 0.f);
+    }
+}
+
+/* Outputs [n, n + 4) of every row, w and scales pointing at output n: the four weight rows
+ * are read from memory once. */
+ALWAYS_INLINE void four_outputs(const float *x, int64_t rows, int64_t x_stride, const void *w,
+                                const uint16_t *scales, int quantized, int64_t in, float *y,
+                                int64_t outs, int accumulate) {
     float dots[8];
     for (int64_t m = 0; m < rows; m += 2) {
         const int pair = m + 1 < rows;
         if (pair)
-            two_rows(x + m * x_stride, x + (m + 1) * x_stride, w, in, dots);
+            two_rows(x + m * x_stride, x + (m + 1) * x_stride, w, in, quantized, dots);
         else
-            one_row(x + m * x_stride, w, in, dots);
-        for (int64_t r = 0; r <= pair; r++) {
-            float *out = y + (m + r) * outs;
-            for (int c = 0; c < 4; c++) out[c] = dots[4 * r + c] + (accumulate ? out[c] : 0.f);
-        }
+            one_row(x + m * x_stride, w, in, quantized, dots);
+        for (int64_t r = 0; r <= pair; r++)
+            store(y + (m + r) * outs, dots + 4 * r, scales, WEIGHT_ROWS, accumulate);
     }
 }
 
-/* Output column n of every row (the last outs % 4 columns). */
-static void one_output(const float *x, int64_t rows, int64_t x_stride, const float *w,
-                       int64_t in, float *y, int64_t outs, int accumulate) {
+/* Output n of every row (the last outs % 4 outputs). */
+static void one_output(const float *x, int64_t rows, int64_t x_stride, const void *w,
+                       const uint16_t *scales, int64_t in, float *y, int64_t outs,
+                       int accumulate) {
     for (int64_t m = 0; m < rows; m++) {
         const float *xm = x + m * x_stride;
         float dot = 0.f;
-        for (int64_t k = 0; k < in; k++) dot += w[k] * xm[k];
-        y[m * outs] = dot + (accumulate ? y[m * outs] : 0.f);
+        for (int64_t k = 0; k < in; k++) dot += weight1(w, k, scales != NULL) * xm[k];
+        store(y + m * outs, &dot, scales, 1, accumulate);
     }
 }
 
@@ -124,10 +170,11 @@ static void swiglu_row(const float *restrict gate_up, int64_t in, float *restric
     for (int64_t k = 0; k < in; k++) out[k] = gate_up[k] / (1.f + expf(-gate_up[k])) * up[k];
 }
 
-/* Returns 0, or -1 when the scratch rows for f(x) cannot be allocated. */
+/* Returns 0, or -1 when the scratch rows for f(x) cannot be allocated. w is float32, or int8
+ * when scales (bfloat16, one per output) is not NULL. */
 int small_batch_linear(const float *x, int64_t rows, int64_t x_stride, const float *norm_weight,
-                       float eps, int gated, const float *w, int64_t in, int64_t outs, float *y,
-                       int accumulate, int num_threads) {
+                       float eps, int gated, const void *w, const uint16_t *scales, int64_t in,
+                       int64_t outs, float *y, int accumulate, int num_threads) {
     float *scratch = NULL;
     if (norm_weight != NULL || gated) {
         scratch = malloc((size_t)(rows * in) * sizeof(float));
@@ -141,13 +188,24 @@ int small_batch_linear(const float *x, int64_t rows, int64_t x_stride, const flo
         x = scratch;
         x_stride = in;
     }
-    const int64_t groups = outs / WEIGHT_ROWS;
+    const int64_t groups = outs / WEIGHT_ROWS, group_size = WEIGHT_ROWS * in;
+    const size_t weight_bytes = scales == NULL ? sizeof(float) : 1;
+    const char *weights = w;
+    /* One loop per weight kind, so that each is compiled for its kind. */
+    if (scales == NULL) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t g = 0; g < groups; g++)
-        four_outputs(x, rows, x_stride, w + g * WEIGHT_ROWS * in, in, y + g * WEIGHT_ROWS, outs,
-                     accumulate);
+        for (int64_t g = 0; g < groups; g++)
+            four_outputs(x, rows, x_stride, (const float *)w + g * group_size, NULL, 0, in,
+                         y + g * WEIGHT_ROWS, outs, accumulate);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t g = 0; g < groups; g++)
+            four_outputs(x, rows, x_stride, (const int8_t *)w + g * group_size,
+                         scales + g * WEIGHT_ROWS, 1, in, y + g * WEIGHT_ROWS, outs, accumulate);
+    }
     for (int64_t n = groups * WEIGHT_ROWS; n < outs; n++)
-        one_output(x, rows, x_stride, w + n * in, in, y + n, outs, accumulate);
+        one_output(x, rows, x_stride, weights + (size_t)(n * in) * weight_bytes,
+                   scales == NULL ? NULL : scales + n, in, y + n, outs, accumulate);
     free(scratch);
     return 0;
 }
