@@ -17,21 +17,26 @@ import torch
 from torch import nn
 
 from services.worker.engine.kernel_build import choose_kernel, load_library
-from services.worker.engine.models.llama import RMSNorm, project_with_torch
+from services.worker.engine.models.llama import RMSNorm, project_with_torch, projection_input
 from services.worker.engine.quant import Int8Linear
 
 # Up to this many rows the kernel beats torch's matmul (measured on the target CPU: 2 cores,
 # AVX2; at 16 rows it still reads the weights ~1.4x faster).
 MAX_ROWS = 16
+# From there up to this many rows, torch's matmul (MKL) is faster asked for the transposed
+# product W x^T than for x W^T (measured on the target CPU, side by side: decode steps of 32
+# rows 16% shorter, of 64 rows 10%; at 512 rows the plain product is faster again).
+TRANSPOSED_MAX_ROWS = 128
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
 
 
 class SmallBatchLinear:
-    """A Project (models/llama.py) that runs projections of at most max_rows rows (bias-free
-    nn.Linear in float32, or Int8Linear) through the kernel, their norm, SwiGLU and residual
-    add fused in; anything else (bigger batches, other modules) runs through torch."""
+    """The CPU's Project (models/llama.py): projections of at most max_rows rows (bias-free
+    nn.Linear in float32, or Int8Linear) run through the kernel, their norm, SwiGLU and
+    residual add fused in; float32 ones of up to TRANSPOSED_MAX_ROWS rows as torch's
+    transposed product; anything else (bigger batches, other modules) as torch's plain one."""
 
     def __init__(self, library: ctypes.CDLL, num_threads: int, max_rows: int = MAX_ROWS) -> None:
         self._function = library.small_batch_linear
@@ -55,12 +60,11 @@ class SmallBatchLinear:
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         weights = kernel_weights(module)
-        if (
-            weights is None
-            or x.dim() != 2
-            or x.shape[0] > self.max_rows
-            or (residual is not None and not residual.is_contiguous())
-        ):
+        if weights is None or x.dim() != 2:
+            return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
+        if x.shape[0] > self.max_rows or (residual is not None and not residual.is_contiguous()):
+            if weights[1] is None and x.shape[0] <= TRANSPOSED_MAX_ROWS:
+                return transposed_product(weights[0], projection_input(x, norm, gated), residual)
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
         if norm is not None and gated:
             raise ValueError("a projection is normed or gated, not both")
@@ -94,6 +98,15 @@ class SmallBatchLinear:
         if status != 0:
             raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
         return y
+
+
+def transposed_product(
+    weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """x W^T computed as (W x^T)^T, added into residual when given (else made contiguous, as
+    the callers view it by rows)."""
+    y = torch.mm(weight, x.t()).t()
+    return y.contiguous() if residual is None else residual.add_(y)
 
 
 def kernel_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -51,14 +51,19 @@ def project_with_torch(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Project every device has: torch ops, one after another."""
+    y = module(projection_input(x, norm, gated))
+    return y if residual is None else residual.add_(y)
+
+
+def projection_input(x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
+    """f(x) of a Project, computed with torch ops."""
     if norm is not None:
-        x = norm(x)
+        return norm(x)
     if gated:
         gate, up = x.chunk(2, dim=-1)
         # In place: the gate/up activations are a layer's largest temporaries.
-        x = F.silu(gate, inplace=True).mul_(up)
-    y = module(x)
-    return y if residual is None else residual.add_(y)
+        return F.silu(gate, inplace=True).mul_(up)
+    return x
 
 
 @dataclass(slots=True, frozen=True)
