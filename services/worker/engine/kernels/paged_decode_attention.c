@@ -17,11 +17,32 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+/* a . b with four independent vector sums: one running sum would make every multiply-add
+ * wait for the previous one, and a decode step is mostly these short (head_dim) dots. */
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        s0 += load8(a + i) * load8(b + i);
+        s1 += load8(a + i + 8) * load8(b + i + 8);
+        s2 += load8(a + i + 16) * load8(b + i + 16);
+        s3 += load8(a + i + 24) * load8(b + i + 24);
+    }
+    for (; i + 8 <= n; i += 8) s0 += load8(a + i) * load8(b + i);
+    const v8 total = (s0 + s1) + (s2 + s3);
     float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    for (int lane = 0; lane < 8; lane++) sum += total[lane];
+    for (; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
 
