@@ -368,15 +368,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The command that repeats the run: every flag that differs from its default."""
+    defaults = parse_args(["--quick"] if args.quick else [])
+    flags = ["--quick"] if args.quick else []
+    for name, value in vars(args).items():
+        if name not in ("quick", "no_write") and value != getattr(defaults, name):
+            flags.append(f"--{name.replace('_', '-')} {value}")
+    return " ".join(["python -m bench.mesh", *flags])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=120)
     report = asyncio.run(run(args, console))
     print_table(report, console)
     if not args.no_write:
-        command = "python -m bench.mesh" + (" --quick" if args.quick else "")
-        if args.model != "smollm2-135m":
-            command += f" --model {args.model}"
+        command = command_line(args)
         results = write_results("mesh", report)
         plot(report, RESULTS / "mesh.png")
         write_section(markdown(report, command))
