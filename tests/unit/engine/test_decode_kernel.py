@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.decode_kernel import choose_decode_kernel, load_decode_kernel
+from services.worker.engine.decode_kernel import load_decode_kernel
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
@@ -77,15 +77,6 @@ def test_kernel_takes_a_non_contiguous_query() -> None:
     contexts = [20, 32, 3]
     got = load_decode_kernel(1)(q, keys, values, torch.tensor(tables), torch.tensor(contexts))
     torch.testing.assert_close(got, reference(q, keys, values, tables, contexts))
-
-
-def test_choice_follows_the_mode_and_the_tensors() -> None:
-    assert choose_decode_kernel("sdpa", CPU, torch.float32, 1) is None
-    assert choose_decode_kernel("auto", CPU, torch.float32, 1) is load_decode_kernel(1)
-    assert choose_decode_kernel("auto", CPU, torch.bfloat16, 1) is None
-    assert choose_decode_kernel("auto", torch.device("cuda"), torch.float32, 1) is None
-    with pytest.raises(ValueError, match="CPU float32 only"):
-        choose_decode_kernel("kernel", CPU, torch.float16, 1)
 
 
 def test_config_refuses_an_unknown_mode() -> None:

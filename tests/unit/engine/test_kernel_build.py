@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,24 @@ KERNELS = ("paged_decode_attention", "small_batch_linear")
 
 def test_every_kernel_source_is_built() -> None:
     assert sorted(p.stem for p in kernel_build.KERNELS_DIR.glob("*.c")) == sorted(KERNELS)
+
+
+@pytest.mark.parametrize(
+    ("choose", "load", "fallback"),
+    [
+        (choose_decode_kernel, load_decode_kernel, "sdpa"),
+        (choose_linear_kernel, load_linear_kernel, "torch"),
+    ],
+)
+def test_choice_follows_the_mode_and_the_tensors(
+    choose: Callable[..., object], load: Callable[[int], object], fallback: str
+) -> None:
+    assert choose(fallback, CPU, torch.float32, 1) is None
+    assert choose("auto", CPU, torch.float32, 1) is load(1)
+    assert choose("auto", CPU, torch.bfloat16, 1) is None
+    assert choose("auto", torch.device("cuda"), torch.float32, 1) is None
+    with pytest.raises(ValueError, match="CPU float32 only"):
+        choose("kernel", CPU, torch.float16, 1)
 
 
 def test_without_a_compiler_auto_falls_back_and_kernel_refuses(

@@ -17,7 +17,6 @@ from services.worker.engine.linear_kernel import (
     MAX_ROWS,
     TRANSPOSED_MAX_ROWS,
     SmallBatchLinear,
-    choose_linear_kernel,
     load_linear_kernel,
 )
 from services.worker.engine.models.llama import RMSNorm, project_with_torch
@@ -201,15 +200,6 @@ def test_bad_shapes_are_refused() -> None:
             project(module, torch.randn(2, 16), residual=torch.zeros(2, 9))
         with pytest.raises(ValueError, match="not both"):
             project(module, torch.randn(2, 32), norm=rms_norm(32, generator), gated=True)
-
-
-def test_choice_follows_the_mode_and_the_tensors() -> None:
-    assert choose_linear_kernel("torch", CPU, torch.float32, 1) is None
-    assert choose_linear_kernel("auto", CPU, torch.float32, 1) is load_linear_kernel(1)
-    assert choose_linear_kernel("auto", CPU, torch.bfloat16, 1) is None
-    assert choose_linear_kernel("auto", torch.device("cuda"), torch.float32, 1) is None
-    with pytest.raises(ValueError, match="CPU float32 only"):
-        choose_linear_kernel("kernel", CPU, torch.float16, 1)
 
 
 def test_config_refuses_an_unknown_mode() -> None:
