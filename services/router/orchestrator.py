@@ -366,39 +366,56 @@ class Orchestrator:
         plan = attempt.plan
         assert plan.decode is not None
         prefill_address, decode_address = plan.prefill.address, plan.decode.address
-        timeout = _time_left(deadline)
         prefill = asyncio.ensure_future(
             self.peers.worker(prefill_address).Prefill(
                 worker_pb2.PrefillRequest(request=request, lease_ttl_ms=self.lease_ttl_ms),
-                timeout=timeout,
+                timeout=_time_left(deadline),
             )
         )
-        # Opened while the prompt runs: setting up the call (a new HTTP/2 stream, the decode
-        # worker's handler) is then off the hand-off's path. The decode worker holds nothing
-        # until the start message, so a call cancelled before it costs nothing.
-        call = self.peers.worker(decode_address).Decode(timeout=timeout)
+        prefilled = await self._prefilled(prefill, prefill_address)
+        attempt.cached_prompt_tokens = prefilled.cached_prompt_tokens
         try:
-            prefilled = await self._prefilled(prefill, prefill_address)
-            attempt.cached_prompt_tokens = prefilled.cached_prompt_tokens
-            if attempt.first_token is None:
-                # The caller gets the prefill's token at once: the KV hand-off runs after the
-                # first token, not before it.
-                attempt.first_token = prefilled.first_token
-                yield common_pb2.GenerateEvent(chunk=prefilled.first_token)
-                if prefilled.HasField("finished"):
-                    # The first token ended the request: nothing to decode, no lease.
-                    yield common_pb2.GenerateEvent(finished=prefilled.finished)
-                    return
-            elif prefilled.HasField("finished"):
-                # Only unseeded sampling can end the prompt's second run at a different token.
-                raise Unavailable(
-                    f"Prefill on {prefill_address}: the prompt's second run ended at its own "
-                    "first token, so there is no KV to continue the first one from"
-                )
+            async for event in self._after_prefill(
+                attempt, request, prefilled, decode_address, deadline
+            ):
+                yield event
+        finally:
+            if prefilled.HasField("lease") and not attempt.handed_off:
+                # No decode worker imported the KV (once one has, it releases the lease).
+                self._spawn(self._release(prefill_address, prefilled.lease.lease_id))
+
+    async def _after_prefill(
+        self,
+        attempt: _Attempt,
+        request: common_pb2.InferenceRequest,
+        prefilled: worker_pb2.PrefillResponse,
+        decode_address: str,
+        deadline: float | None,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        """The first token (unless the caller has one already), then the decode's stream."""
+        if attempt.first_token is None:
+            # The caller gets the prefill's token at once: the KV hand-off runs after the
+            # first token, not before it.
+            attempt.first_token = prefilled.first_token
+            yield common_pb2.GenerateEvent(chunk=prefilled.first_token)
+            if prefilled.HasField("finished"):
+                # The first token ended the request: nothing to decode, no lease.
+                yield common_pb2.GenerateEvent(finished=prefilled.finished)
+                return
+        elif prefilled.HasField("finished"):
+            # Only unseeded sampling can end the prompt's second run at a different token.
+            raise Unavailable(
+                "the prompt's second run ended at its own first token, "
+                "so there is no KV to continue the first one from"
+            )
+        # Opened once the first token is on its way: opened while the prompt ran, its set-up
+        # delayed the Prefill call's by about a millisecond, on the first token's path.
+        call = self.peers.worker(decode_address).Decode(timeout=_time_left(deadline))
+        try:
             start = worker_pb2.DecodeRequest(
                 request=request, lease=prefilled.lease, first_token=attempt.first_token
             )
-            async for event in self._decode(attempt, call, start, decode_address, prefill_address):
+            async for event in self._decode(attempt, call, start, decode_address):
                 yield event
         finally:
             call.cancel()
@@ -424,13 +441,11 @@ class Orchestrator:
         call: grpc.aio.StreamStreamCall[worker_pb2.DecodeMessage, common_pb2.GenerateEvent],
         start: worker_pb2.DecodeRequest,
         decode_address: str,
-        prefill_address: str,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
         """The decode worker's stream for a granted lease, after the first token.
 
         The worker's first chunk echoes the first token once it imported the KV: the caller
-        has that token already, so it only marks the hand-off done. Until then the lease is
-        released here if the decode fails (after it, the decode worker releases it)."""
+        has that token already, so it only marks the hand-off done."""
         received = False
         try:
             await _send_only(call, worker_pb2.DecodeMessage(start=start))
@@ -442,9 +457,6 @@ class Orchestrator:
                     attempt.handed_off = True
         except grpc.aio.AioRpcError as error:
             raise _worker_error(error, "Decode", decode_address) from None
-        finally:
-            if not attempt.handed_off:
-                self._spawn(self._release(prefill_address, start.lease.lease_id))
         if not received:
             raise Unavailable(f"Decode on {decode_address} ended without a word")
 

@@ -1,5 +1,6 @@
-"""The split path's calls to the workers, against stand-in stubs: when the Decode call opens,
-what it is sent, and what is cancelled or released when something fails."""
+"""The split path's calls to the workers, against stand-in stubs: when the first token goes
+out and the Decode call opens, what it is sent, and what is cancelled, released or resumed when
+something fails."""
 
 from __future__ import annotations
 
@@ -151,46 +152,41 @@ def tokens(events: list[common_pb2.GenerateEvent]) -> list[int]:
     return [t for event in events for t in event.chunk.token_ids]
 
 
-async def test_the_decode_call_opens_while_the_prompt_runs() -> None:
-    finished = common_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_LENGTH)
-    workers = FakeWorkers(
-        asyncio.get_running_loop().create_future(),
-        [common_pb2.GenerateEvent(chunk=FIRST), common_pb2.GenerateEvent(finished=finished)],
-    )
+async def test_the_decode_call_opens_once_the_prefill_answered() -> None:
+    workers = FakeWorkers(asyncio.get_running_loop().create_future(), [ECHO, LENGTH])
     running = asyncio.ensure_future(run(orchestrator(workers)))
     for _ in range(20):
         await asyncio.sleep(0)
     assert not workers.prefill.done()
-    (call,) = workers.decode_calls  # open before the Prefill answered ...
-    assert call.written == []  # ... but the start waits for the lease
+    # Not opened while the prompt runs: setting it up would slow the Prefill call's start.
+    assert workers.decode_calls == []
 
     workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
     events = await running
-    assert [e.WhichOneof("event") for e in events] == ["started", "chunk", "finished"]
+    assert kinds(events) == ["started", "chunk", "finished"]
+    (call,) = workers.decode_calls
     (start,) = call.written
     assert start.start.lease == LEASE and start.start.first_token == FIRST
     assert start.start.request.request_id == "r"
     assert workers.released == []  # the decode worker releases the lease it pulled
 
 
-async def test_a_failed_prefill_cancels_the_open_decode_call() -> None:
+async def test_a_failed_prefill_opens_no_decode_call() -> None:
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [])
     workers.prefill.set_exception(rpc_error("gone"))
     with pytest.raises(Unavailable, match="gone"):
         await run(orchestrator(workers))
-    assert len(workers.decode_calls) == 2  # the first try and the retry
-    assert all(call.cancelled and call.written == [] for call in workers.decode_calls)
-    assert workers.released == []
+    assert len(workers.prefill_requests) == 2  # the first try and the retry
+    assert workers.decode_calls == [] and workers.released == []
 
 
-async def test_a_request_ended_by_its_first_token_cancels_the_decode_call() -> None:
+async def test_a_request_ended_by_its_first_token_opens_no_decode_call() -> None:
     finished = common_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_STOP)
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [])
     workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, finished=finished))
     events = await run(orchestrator(workers))
-    assert [e.WhichOneof("event") for e in events] == ["started", "chunk", "finished"]
-    (call,) = workers.decode_calls
-    assert call.cancelled and call.written == []
+    assert kinds(events) == ["started", "chunk", "finished"]
+    assert workers.decode_calls == []
 
 
 async def test_a_decode_that_never_starts_releases_the_lease() -> None:
@@ -271,8 +267,9 @@ async def test_a_resumed_prompt_ending_at_its_own_first_token_cannot_continue() 
     workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
     with pytest.raises(Unavailable, match="second run ended at its own first token"):
         await run(orchestrator(workers))
-    assert len(workers.decode_calls) == 2 and all(c.cancelled for c in workers.decode_calls)
-    assert workers.decode_calls[1].written == []
+    assert len(workers.prefill_requests) == 2
+    (call,) = workers.decode_calls  # none for the second run
+    assert call.cancelled
 
 
 async def test_a_cancel_during_the_hand_off_aborts_with_the_first_token_counted() -> None:
