@@ -103,10 +103,11 @@ class SmallBatchLinear:
 def transposed_product(
     weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
 ) -> torch.Tensor:
-    """x W^T computed as (W x^T)^T, added into residual when given (else made contiguous, as
-    the callers view it by rows)."""
+    """x W^T computed as (W x^T)^T, added into residual when given. Otherwise returned as the
+    transposed view: copying it into rows costs more than its readers lose reading it
+    strided (the SwiGLU's element-wise ops, the next transposed product, the sampler)."""
     y = torch.mm(weight, x.t()).t()
-    return y.contiguous() if residual is None else residual.add_(y)
+    return y if residual is None else residual.add_(y)
 
 
 def kernel_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -186,7 +186,6 @@ def test_transposed_product_matches(rows: int, fused: str) -> None:
     with torch.inference_mode():
         got = load_linear_kernel(2)(module, x, norm=norm, gated=gated, residual=residual)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    assert got.is_contiguous()
 
 
 def test_bad_shapes_are_refused() -> None:

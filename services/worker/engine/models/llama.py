@@ -29,7 +29,7 @@ class Project(Protocol):
 
     module(f(x)) for x [rows, in], where f is `norm` when given, SwiGLU when gated (x is
     [gate | up], overwritten), else nothing; with `residual` the product is added into it in
-    place and the residual is returned."""
+    place and the residual is returned. The result may be a strided view of its rows."""
 
     def __call__(
         self,
@@ -292,8 +292,12 @@ class LlamaLayer(nn.Module):
     ) -> torch.Tensor:
         """hidden [T, hidden_size] -> the layer's output (computed in place into `hidden`)."""
         tokens = hidden.shape[0]
-        qkv = project(self.qkv_proj, hidden, norm=self.input_norm).view(
-            tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim
+        # Contiguous: a Project may return the rows as a strided view, and RoPE pairs up
+        # adjacent head dims.
+        qkv = (
+            project(self.qkv_proj, hidden, norm=self.input_norm)
+            .contiguous()
+            .view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         )
         rotated = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], rotations)
         q = rotated[:, : self.num_heads]
@@ -401,7 +405,8 @@ class LlamaModel(nn.Module):
         self, hidden: torch.Tensor, project: Project = project_with_torch
     ) -> torch.Tensor:
         """fp32 logits for the given rows of final hidden states."""
-        return project(self.lm_head, hidden, norm=self.final_norm).float()
+        # Contiguous: the sampler reduces along each row.
+        return project(self.lm_head, hidden, norm=self.final_norm).float().contiguous()
 
 
 def fuse_hf_weights(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
