@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from services.worker.engine.linear_kernel import (
     SmallBatchLinear,
     load_linear_kernel,
 )
-from services.worker.engine.models.llama import RMSNorm, project_with_torch
+from services.worker.engine.models.llama import Project, RMSNorm, project_with_torch
 from services.worker.engine.quant import Int8Linear
 
 CPU = torch.device("cpu")
@@ -75,48 +76,69 @@ def test_kernel_matches_matmul(threads: int, rows: int, ins: int, outs: int) -> 
     torch.testing.assert_close(got, reference(module, x), atol=1e-4, rtol=1e-4)
 
 
+@dataclass(slots=True)
+class FusedCall:
+    """A projection's input and the work fused around it ("norm", "gated", "residual")."""
+
+    x: torch.Tensor
+    norm: RMSNorm | None
+    gated: bool
+    residual: torch.Tensor | None
+
+    @classmethod
+    def of(cls, ins: int, outs: int, rows: int, fused: str, seed: int) -> FusedCall:
+        generator = torch.Generator().manual_seed(seed)
+        gated = "gated" in fused
+        return cls(
+            x=torch.randn(rows, 2 * ins if gated else ins, generator=generator),
+            norm=rms_norm(ins, generator) if "norm" in fused else None,
+            gated=gated,
+            residual=torch.randn(rows, outs, generator=generator) if "residual" in fused else None,
+        )
+
+    def expected(self, module: nn.Module) -> torch.Tensor:
+        return reference(module, self.x, self.norm, self.gated, self.residual)
+
+    def run(self, project: Project, module: nn.Module) -> torch.Tensor:
+        """The projection, on copies of the tensors it may write."""
+        with torch.inference_mode():
+            return project(
+                module,
+                self.x.clone(),
+                norm=self.norm,
+                gated=self.gated,
+                residual=None if self.residual is None else self.residual.clone(),
+            )
+
+
 @pytest.mark.parametrize("rows", [1, 4, 7])
 @pytest.mark.parametrize(("ins", "outs"), SHAPES)
 @pytest.mark.parametrize("fused", ["norm", "gated", "residual", "norm+residual"])
 def test_fused_work_matches_torch(rows: int, ins: int, outs: int, fused: str) -> None:
-    generator = torch.Generator().manual_seed(rows * 1000 + ins * 10 + outs)
-    module = linear(ins, outs, generator)
-    norm = rms_norm(ins, generator) if "norm" in fused else None
-    gated = fused == "gated"
-    x = torch.randn(rows, 2 * ins if gated else ins, generator=generator)
-    residual = torch.randn(rows, outs, generator=generator) if "residual" in fused else None
-    expected = reference(module, x, norm, gated, residual)
-    with torch.inference_mode():
-        by_torch = project_with_torch(
-            module,
-            x.clone(),
-            norm=norm,
-            gated=gated,
-            residual=None if residual is None else residual.clone(),
-        )
-        got = load_linear_kernel(2)(module, x, norm=norm, gated=gated, residual=residual)
-    torch.testing.assert_close(by_torch, expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    if residual is not None:
-        assert got is residual  # added in place, as torch's path does
+    module = linear(ins, outs, torch.Generator().manual_seed(ins + outs))
+    call = FusedCall.of(ins, outs, rows, fused, seed=rows * 1000 + ins * 10 + outs)
+    expected = call.expected(module)
+    torch.testing.assert_close(call.run(project_with_torch, module), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        call.run(load_linear_kernel(2), module), expected, atol=1e-4, rtol=1e-4
+    )
+    if call.residual is not None:
+        with torch.inference_mode():
+            got = load_linear_kernel(2)(module, call.x, residual=call.residual, norm=call.norm)
+        assert got is call.residual  # added in place, as torch's path does
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS])
 @pytest.mark.parametrize(("ins", "outs"), SHAPES)
 @pytest.mark.parametrize("fused", ["", "norm", "gated+residual"])
 def test_int8_weights_are_scaled_per_output(rows: int, ins: int, outs: int, fused: str) -> None:
-    generator = torch.Generator().manual_seed(rows * 100 + ins * 7 + outs)
-    module = Int8Linear(linear(ins, outs, generator))
-    norm = rms_norm(ins, generator) if "norm" in fused else None
-    gated = "gated" in fused
-    x = torch.randn(rows, 2 * ins if gated else ins, generator=generator)
-    residual = torch.randn(rows, outs, generator=generator) if "residual" in fused else None
-    expected = reference(module, x, norm, gated, residual)
-    with torch.inference_mode():
-        got = load_linear_kernel(2)(module, x, norm=norm, gated=gated, residual=residual)
+    module = Int8Linear(linear(ins, outs, torch.Generator().manual_seed(ins * 7 + outs)))
+    call = FusedCall.of(ins, outs, rows, fused, seed=rows * 100 + ins * 7 + outs)
     # float32 activations against the dequantized weight (torch's int8 matmul rounds them to
     # bf16, so it is only within ~1e-2 of this).
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        call.run(load_linear_kernel(2), module), call.expected(module), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_kernel_takes_strided_rows() -> None:
@@ -176,16 +198,11 @@ def test_each_projection_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize("rows", [MAX_ROWS + 1, 64, TRANSPOSED_MAX_ROWS])
 @pytest.mark.parametrize("fused", ["", "norm", "gated+residual"])
 def test_transposed_product_matches(rows: int, fused: str) -> None:
-    generator = torch.Generator().manual_seed(rows)
-    module = linear(64, 96, generator)
-    norm = rms_norm(64, generator) if "norm" in fused else None
-    gated = "gated" in fused
-    x = torch.randn(rows, 128 if gated else 64, generator=generator)
-    residual = torch.randn(rows, 96, generator=generator) if "residual" in fused else None
-    expected = reference(module, x, norm, gated, residual)
-    with torch.inference_mode():
-        got = load_linear_kernel(2)(module, x, norm=norm, gated=gated, residual=residual)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    module = linear(64, 96, torch.Generator().manual_seed(rows))
+    call = FusedCall.of(64, 96, rows, fused, seed=rows)
+    torch.testing.assert_close(
+        call.run(load_linear_kernel(2), module), call.expected(module), atol=1e-4, rtol=1e-4
+    )
 
 
 def test_bad_shapes_are_refused() -> None:
