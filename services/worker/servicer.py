@@ -130,8 +130,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.WorkerGenerateMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
-        self._require(self.config.role == "both", "Generate", "both")
+        # The request is read before a refusal: a client's write racing the end of the call
+        # fails on its side as INTERNAL (grpc aio), hiding the refusal's status.
         first = await first_message(request_iterator, "request")
+        self._require(self.config.role == "both", "Generate", "both")
         if first.WhichOneof("message") != "request":
             raise InvalidArgument("request", "the first message must be the request")
         request = engine_request(first.request, context.time_remaining())
@@ -252,8 +254,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         request_iterator: AsyncIterator[worker_pb2.DecodeMessage],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        first = await first_message(request_iterator, "start")  # before a refusal: see Generate
         self._require(self.config.serves_decode, "Decode", "decode or both")
-        first = await first_message(request_iterator, "start")
         if first.WhichOneof("message") != "start":
             raise InvalidArgument("start", "the first message must be the start")
         start = first.start

@@ -287,11 +287,22 @@ async def test_stats_and_roles(trio: Trio) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await trio.decode.stub.Prefill(worker_pb2.PrefillRequest(request=request("r", PROMPTS[0])))
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    # Streams: the refusal comes after the first message, which the caller's write delivers.
     generate = trio.prefill.stub.Generate(timeout=5)
     await generate.write(worker_pb2.WorkerGenerateMessage(request=request("r", PROMPTS[0])))
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         _ = [event async for event in generate]
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    req = request("d", PROMPTS[0])
+    prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    decode_on_prefill = trio.prefill.stub.Decode(timeout=5)
+    await decode_on_prefill.write(decode_start(req, prefilled))
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        _ = [event async for event in decode_on_prefill]
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    await trio.prefill.stub.ReleaseKv(
+        worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id)
+    )
     cancel_first = trio.both.stub.Generate(timeout=5)
     await cancel_first.write(worker_pb2.WorkerGenerateMessage(cancel=common_pb2.Cancel()))
     with pytest.raises(grpc.aio.AioRpcError) as raised:
