@@ -70,19 +70,14 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
             )
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
-            )
-        if self.decode_attention not in DECODE_ATTENTION:
-            raise ValueError(
-                f"decode_attention must be one of {DECODE_ATTENTION}, got {self.decode_attention!r}"
-            )
-        if self.small_batch_linear not in SMALL_BATCH_LINEAR:
-            raise ValueError(
-                f"small_batch_linear must be one of {SMALL_BATCH_LINEAR}, "
-                f"got {self.small_batch_linear!r}"
-            )
+        choices = {
+            "quantization": (self.quantization, QUANTIZATIONS),
+            "decode_attention": (self.decode_attention, DECODE_ATTENTION),
+            "small_batch_linear": (self.small_batch_linear, SMALL_BATCH_LINEAR),
+        }
+        for name, (chosen, allowed) in choices.items():
+            if chosen not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {chosen!r}")
         positive = {
             "block_size": self.block_size,
             "kv_cache_bytes": self.kv_cache_bytes,

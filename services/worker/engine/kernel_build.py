@@ -27,7 +27,6 @@ KERNELS_DIR = Path(__file__).with_name("kernels")
 # -fno-math-errno lets expf vectorize; no -ffast-math, whose start-up code would flip the
 # whole process's floating-point flags.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
-KERNEL_MODES = ("auto", "kernel")
 
 Kernel = TypeVar("Kernel")
 
