@@ -22,11 +22,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, start_http_server
 
 from kvmesh.config import ServerConfig
 from kvmesh.errors import Internal, InvalidArgument, KvmeshError, Unimplemented
+from kvmesh.reflection import enable_reflection
 from kvmesh.rpc_status import abort_with_error
 from kvmesh.server_tracing import TracingInterceptor
 from kvmesh.telemetry import setup_tracing
@@ -219,13 +219,8 @@ class GrpcServer:
             binding.add_to_server(binding.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         names = [b.name for b in self.bindings]
-        reflection.enable_server_reflection(
-            [
-                *names,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            server,
+        enable_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server
         )
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:

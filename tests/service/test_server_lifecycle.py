@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -53,6 +54,24 @@ def test_reflection_lists_and_describes_the_service(cache_process: ServiceProces
             "Invalidate",
             "Stats",
         ]
+
+
+def test_reflection_answers_v1_as_well_as_v1alpha(cache_process: ServiceProcess) -> None:
+    """Clients that speak only grpc.reflection.v1 (newer grpcurl) find the same services."""
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    with grpc.insecure_channel(cache_process.address) as channel:
+        for name in (
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        ):
+            info = channel.stream_stream(
+                f"/{name}/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            (reply,) = list(info(iter([request]), timeout=5))
+            listed = {service.name for service in reply.list_services_response.service}
+            assert {"kvmesh.v1.Cache", "grpc.health.v1.Health"} <= listed, name
 
 
 def test_metrics_port_answers(cache_process: ServiceProcess) -> None:
