@@ -15,7 +15,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from kvmesh.client import CACHE_POLICIES, PRIORITIES, Client, GenerationResult
 from kvmesh.errors import KvmeshError
@@ -23,8 +23,15 @@ from kvmesh.errors import KvmeshError
 Commands = argparse._SubParsersAction  # argparse keeps the class private
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line naming the fix, not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="kvmesh", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_command(commands)
     add_chat_command(commands)

@@ -9,6 +9,7 @@ import math
 import sys
 from pathlib import Path
 
+import grpc
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -16,7 +17,9 @@ from rich.table import Table
 from kvmesh.bench_report import RequestResult, Slo, plot_results, summarize, summary_table
 from kvmesh.channels import insecure_channel
 from kvmesh.control import call_control, socket_path
+from kvmesh.errors import KvmeshError, Unavailable, Unimplemented
 from kvmesh.loadgen import LoadSpec, run_load
+from kvmesh.rpc_status import error_from_rpc
 from kvmesh.stack import GATEWAY_PORT, ROUTER_PORT, StackOptions
 from kvmesh.up import run_up
 from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
@@ -25,7 +28,7 @@ DEFAULT_GATEWAY = f"127.0.0.1:{GATEWAY_PORT}"
 DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
 
 
-def add_stack_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Registers up, bench, status and scale on the `kvmesh` parser."""
     up = commands.add_parser("up", help="run the whole mesh as local processes")
     up.add_argument("--model", default="smollm2-135m", help="model spec every worker loads")
@@ -73,7 +76,7 @@ def add_stack_commands(commands: argparse._SubParsersAction[argparse.ArgumentPar
 
     scale = commands.add_parser("scale", help="add or drain workers of a running `kvmesh up`")
     scale.add_argument("pool", choices=["prefill", "decode", "worker", "colocated"])
-    scale.add_argument("delta", help="+N to add, -N to drain")
+    scale.add_argument("delta", type=scale_delta, help="+N to add, -N to drain")
     scale.add_argument("--state-dir", type=Path, default=Path(".kvmesh"))
     scale.set_defaults(func=cmd_scale)
 
@@ -147,7 +150,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             ).Status(router_pb2.RouterStatusRequest(), timeout=10)
             return reply
 
-    status = asyncio.run(fetch())
+    try:
+        status = asyncio.run(fetch())
+    except grpc.RpcError as error:
+        raise _router_error(args.router, error) from None
     table = Table(title=f"kvmesh status ({args.router})")
     for column in ("tier", "pool", "worker", "healthy", "running", "waiting", "KV used", "tok/s"):
         table.add_column(column)
@@ -172,8 +178,32 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _router_error(router: str, error: grpc.RpcError) -> KvmeshError:
+    """A failed Status call, said in terms of what the user typed."""
+    failure = error_from_rpc(error)
+    if isinstance(failure, Unavailable):
+        return Unavailable(f"no router answers at {router}: is a stack running (`kvmesh up`)?")
+    if isinstance(failure, Unimplemented):
+        return Unimplemented(
+            f"{router} is not a kvmesh router (a gateway?): --router takes the router's "
+            f"address, {DEFAULT_ROUTER} for `kvmesh up`"
+        )
+    return failure
+
+
+def scale_delta(text: str) -> int:
+    """`+N` or `-N` workers, N at least 1 (argparse type)."""
+    try:
+        delta = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected +N or -N workers, got {text!r}") from None
+    if delta == 0:
+        raise argparse.ArgumentTypeError("a scale of 0 changes nothing: give +N or -N")
+    return delta
+
+
 def cmd_scale(args: argparse.Namespace) -> int:
-    delta = int(args.delta)
+    delta: int = args.delta
     reply = asyncio.run(
         call_control(
             socket_path(args.state_dir), {"op": "scale", "pool": args.pool, "delta": delta}

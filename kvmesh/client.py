@@ -27,7 +27,7 @@ import grpc
 from opentelemetry import propagate
 
 from kvmesh.channels import CHANNEL_OPTIONS
-from kvmesh.errors import Internal
+from kvmesh.errors import Internal, InvalidArgument
 from kvmesh.rpc_status import error_from_rpc
 from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -133,16 +133,13 @@ def build_request(
     if cache_policy not in CACHE_POLICIES:
         raise ValueError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}")
     sampling = common_pb2.SamplingParams(stop=list(stop), ignore_eos=ignore_eos)
-    if max_tokens is not None:
-        sampling.max_tokens = max_tokens
+    _set_unsigned(sampling, "max_tokens", max_tokens, UINT32_MAX)
     if temperature is not None:
         sampling.temperature = temperature
     if top_p is not None:
         sampling.top_p = top_p
-    if top_k is not None:
-        sampling.top_k = top_k
-    if seed is not None:
-        sampling.seed = seed
+    _set_unsigned(sampling, "top_k", top_k, UINT32_MAX)
+    _set_unsigned(sampling, "seed", seed, UINT64_MAX)
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
         idempotency_key=idempotency_key,
@@ -153,6 +150,22 @@ def build_request(
         cache_policy=CACHE_POLICIES[cache_policy],  # type: ignore[arg-type]
         labels=dict(labels or {}),
     )
+
+
+UINT32_MAX = 2**32 - 1
+UINT64_MAX = 2**64 - 1
+
+
+def _set_unsigned(
+    sampling: common_pb2.SamplingParams, name: str, value: int | None, most: int
+) -> None:
+    """Sets an unsigned sampling field, refusing what the wire type cannot hold (protobuf's
+    own ValueError does not say which field)."""
+    if value is None:
+        return
+    if not 0 <= value <= most:
+        raise InvalidArgument(f"sampling.{name}", f"must be between 0 and {most}, got {value}")
+    setattr(sampling, name, value)
 
 
 def _prompt(prompt: PromptInput) -> common_pb2.Prompt:

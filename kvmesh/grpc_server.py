@@ -10,10 +10,12 @@ balancers see it, and stops with the configured grace.
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
 import json
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -184,6 +186,27 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
+def port_in_use_message(host: str, port: int) -> str:
+    return f"cannot listen on {host}:{port}: the port is in use (choose another with --port)"
+
+
+def ensure_port_free(host: str, port: int) -> None:
+    """OSError naming the port when something already listens there. Checked before grpc
+    binds, because grpc's own failure is a RuntimeError plus a C-core log line."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As grpc does: a port whose last connections linger in TIME_WAIT is free to listen on.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise OSError(port_in_use_message(host, port)) from None
+            raise
+
+
 @dataclass
 class GrpcServer:
     """A started-on-demand grpc.aio server hosting kvmesh services plus health and reflection."""
@@ -222,9 +245,13 @@ class GrpcServer:
         enable_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server
         )
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        ensure_port_free(self.config.host, self.config.port)
+        try:
+            self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        except RuntimeError:  # grpc's "Failed to bind": lost a race for the port
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {self.config.host}:{self.config.port} (port in use?)")
+            raise OSError(port_in_use_message(self.config.host, self.config.port))
         await server.start()
         self._server = server
         for name in ["", *names]:
@@ -268,6 +295,25 @@ def configure_logging(config: ServerConfig, service_name: str) -> None:
         format=f"%(asctime)s %(levelname)s {service_name} %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+STARTUP_ERRORS = (OSError, ValueError, KvmeshError)
+"""What a service's start raises for a user's mistake: a port in use, a missing or malformed
+file or setting, a model that does not load."""
+
+
+def run_service_main(service_name: str, main: Callable[[], object]) -> int:
+    """Runs a service's `main`; a user's mistake at start ends it with one line on stderr and
+    exit code 2 instead of a traceback (the traceback is logged at debug level)."""
+    try:
+        main()
+    except STARTUP_ERRORS as error:
+        log.debug("%s failed to start", service_name, exc_info=True)
+        print(f"{service_name}: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 async def serve(server: GrpcServer) -> None:

@@ -9,7 +9,13 @@ import sys
 from collections.abc import Sequence
 
 from kvmesh.config import load_config
-from kvmesh.grpc_server import GrpcServer, ServiceBinding, configure_logging, serve
+from kvmesh.grpc_server import (
+    GrpcServer,
+    ServiceBinding,
+    configure_logging,
+    run_service_main,
+    serve,
+)
 from services.admission.config import AdmissionConfig
 from services.admission.servicer import SERVICE_NAME, GatewayServicer, add_gateway_servicer
 from services.admission.wiring import build_gateway
@@ -47,17 +53,11 @@ async def run(config: AdmissionConfig) -> None:
     warm.cancel()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(AdmissionConfig, argv)
     configure_logging(config, "admission")
-    config = local_only(config)
-    try:
-        asyncio.run(run(config))
-    except ValueError as error:  # TenantFileError, malformed --price or --model-path
-        log.error("configuration error: %s", error)
-        return 2
-    return 0
+    asyncio.run(run(local_only(config)))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_service_main("admission", lambda: main(sys.argv[1:])))

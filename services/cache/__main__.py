@@ -8,7 +8,13 @@ import sys
 from collections.abc import Sequence
 
 from kvmesh.config import load_config
-from kvmesh.grpc_server import GrpcServer, ServiceBinding, configure_logging, serve
+from kvmesh.grpc_server import (
+    GrpcServer,
+    ServiceBinding,
+    configure_logging,
+    run_service_main,
+    serve,
+)
 from kvmesh.v1 import cache_pb2, cache_pb2_grpc
 from services.cache.backends import CacheBackend, MemoryBackend, RedisBackend
 from services.cache.config import CacheConfig
@@ -43,4 +49,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_service_main("cache", lambda: main(sys.argv[1:])))

@@ -8,7 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.config import load_config
-from kvmesh.grpc_server import GrpcServer, ServiceBinding, configure_logging, serve
+from kvmesh.grpc_server import (
+    GrpcServer,
+    ServiceBinding,
+    configure_logging,
+    run_service_main,
+    serve,
+)
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.monitor import WorkerMonitor
@@ -86,4 +92,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_service_main("router", lambda: main(sys.argv[1:])))

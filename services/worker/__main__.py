@@ -9,7 +9,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvmesh.config import load_config
-from kvmesh.grpc_server import GrpcServer, ServiceBinding, configure_logging, serve
+from kvmesh.grpc_server import (
+    GrpcServer,
+    ServiceBinding,
+    configure_logging,
+    run_service_main,
+    serve,
+)
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.backends import EngineBackend, create_engine
 from services.worker.config import WorkerConfig
@@ -109,4 +115,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_service_main("worker", lambda: main(sys.argv[1:])))
