@@ -14,24 +14,57 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
-from kvmesh.client import CACHE_POLICIES, PRIORITIES, Client, GenerationResult
-from kvmesh.errors import KvmeshError
+from kvmesh.client import (
+    API_KEY_ENV,
+    CACHE_POLICIES,
+    DEFAULT_TARGET,
+    PRIORITIES,
+    TARGET_ENV,
+    Client,
+    GenerationResult,
+)
+from kvmesh.errors import InvalidArgument, KvmeshError
 
 Commands = argparse._SubParsersAction  # argparse keeps the class private
 
 
+DESCRIPTION = (
+    "kvmesh serves large language models as a mesh of gRPC services (admission gateway, "
+    "response cache, router, prefill and decode workers). `kvmesh up` runs the mesh on this "
+    "machine; generate, chat and bench talk to its gateway; status and scale manage it."
+)
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Adds "(default: X)" to a flag's help where X says something (not None, False, "" or [])."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        says_nothing = action.default is None or action.default is False
+        if says_nothing or action.default in ("", [], argparse.SUPPRESS) or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage mistake is one line naming the fix, not the usage block."""
+    """argparse with every flag's default in its help, and a usage mistake as one line naming
+    the fix instead of the usage block."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="kvmesh", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="kvmesh", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"kvmesh {kvmesh_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_command(commands)
     add_chat_command(commands)
@@ -54,27 +87,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def kvmesh_version() -> str:
+    """The installed package's version."""
+    try:
+        return metadata.version("kvmesh")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 def describe_error(error: KvmeshError) -> str:
     """STATUS: message (retry after Ns)."""
     retry = f" (retry after {error.retry_after_s:.1f}s)" if error.retry_after_s else ""
     return f"{error.status}: {error.message}{retry}"
 
 
-def _add_connection_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None, help="gateway HOST:PORT [env KVMESH_TARGET]")
-    parser.add_argument("--api-key", default=None, help="API key [env KVMESH_API_KEY]")
+def add_connection_options(parser: argparse.ArgumentParser) -> None:
+    """--target and --api-key, which fall back to $KVMESH_TARGET and $KVMESH_API_KEY."""
+    parser.add_argument(
+        "--target",
+        default=None,
+        help=f"gateway HOST:PORT [env {TARGET_ENV}; else {DEFAULT_TARGET}]",
+    )
+    parser.add_argument("--api-key", default=None, help=f"tenant API key [env {API_KEY_ENV}]")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="", help="model tier, or 'auto' (default: gateway's)")
-    parser.add_argument("--max-tokens", type=int, default=None)
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--priority", choices=list(PRIORITIES), default="interactive")
+    parser.add_argument("--model", default="", help="model tier, or 'auto' ('': the gateway's)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="most tokens to generate (None: gateway's)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=None, help="0 is greedy (None: the model's)"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument(
+        "--priority", choices=list(PRIORITIES), default="interactive", help="scheduling class"
+    )
     parser.add_argument(
         "--cache", choices=list(CACHE_POLICIES), default="use", help="response-cache policy"
     )
-    parser.add_argument("--deadline", type=float, default=None, help="seconds")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds (None: gateway's)")
 
 
 def _request_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -94,21 +146,41 @@ def _request_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_generate_command(commands: Commands) -> None:
     generate = commands.add_parser("generate", help="generate from a prompt, streaming the text")
-    _add_connection_options(generate)
+    add_connection_options(generate)
     _add_sampling_options(generate)
     generate.add_argument("--json", action="store_true", help="print one JSON object at the end")
-    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument(
+        "--prompt-file", type=Path, default=None, help="read the prompt from this file"
+    )
+    generate.add_argument(
+        "prompt", nargs="?", default=None, help="the prompt text; '-' reads it from stdin"
+    )
     generate.set_defaults(func=cmd_generate)
 
 
+def read_prompt(args: argparse.Namespace, inp: TextIO) -> str:
+    """The prompt from the argument, '-' (stdin) or --prompt-file; exactly one of them."""
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise InvalidArgument("prompt", "give the prompt text, '-' for stdin, or --prompt-file")
+    if args.prompt_file is not None:
+        try:
+            return str(args.prompt_file.read_text(encoding="utf-8"))
+        except OSError as error:
+            raise InvalidArgument(
+                "--prompt-file", f"cannot read {args.prompt_file}: {error.strerror}"
+            ) from None
+    return inp.read() if args.prompt == "-" else str(args.prompt)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    result = asyncio.run(_generate(args, sys.stdout))
+    result = asyncio.run(_generate(args, sys.stdin, sys.stdout))
     return 0 if result.finish_reason != "error" else 1
 
 
-async def _generate(args: argparse.Namespace, out: TextIO) -> GenerationResult:
+async def _generate(args: argparse.Namespace, inp: TextIO, out: TextIO) -> GenerationResult:
+    prompt = read_prompt(args, inp)
     async with Client(args.target, api_key=args.api_key) as client:
-        result = await _stream_to(client, args.prompt, _request_options(args), out, not args.json)
+        result = await _stream_to(client, prompt, _request_options(args), out, not args.json)
     if args.json:
         print(json.dumps(result.to_json()), file=out)
     else:
@@ -139,7 +211,7 @@ def add_chat_command(commands: Commands) -> None:
     chat = commands.add_parser(
         "chat", help="chat with a model (its chat template is applied by the gateway)"
     )
-    _add_connection_options(chat)
+    add_connection_options(chat)
     _add_sampling_options(chat)
     chat.add_argument("--system", default="", help="system message that starts the conversation")
     chat.set_defaults(func=cmd_chat)
@@ -179,13 +251,18 @@ def add_tenants_command(commands: Commands) -> None:
     tenants = commands.add_parser("tenants", help="manage the gateway's tenants file")
     actions = tenants.add_subparsers(dest="action", required=True, metavar="ACTION")
     add = actions.add_parser("add", help="add a tenant; prints its new API key once")
-    add.add_argument("name")
+    add.add_argument("name", help="the tenant's name (unique in the file)")
     add.add_argument("--file", type=Path, required=True, help="tenants YAML (created if absent)")
     add.add_argument("--tokens-per-minute", type=int, default=0, help="0: unlimited")
     add.add_argument("--daily-tokens", type=int, default=0, help="0: unlimited")
     add.add_argument("--max-concurrent", type=int, default=0, help="0: unlimited")
     add.add_argument("--models", default="*", help="comma-separated tiers, '*' for all")
-    add.add_argument("--highest-priority", choices=list(PRIORITIES), default="interactive")
+    add.add_argument(
+        "--highest-priority",
+        choices=list(PRIORITIES),
+        default="interactive",
+        help="the most urgent class the tenant may ask for",
+    )
     add.add_argument("--shared-cache", action="store_true", help="share response-cache entries")
     add.add_argument("--cache-salt", default="", help="prefix-cache salt (default: the name)")
     add.add_argument("--admin", action="store_true", help="may read other tenants' usage")

@@ -16,6 +16,8 @@ from rich.table import Table
 
 from kvmesh.bench_report import RequestResult, Slo, plot_results, summarize, summary_table
 from kvmesh.channels import insecure_channel
+from kvmesh.cli import add_connection_options
+from kvmesh.client import resolve_api_key, resolve_target
 from kvmesh.control import call_control, socket_path
 from kvmesh.errors import KvmeshError, Unavailable, Unimplemented
 from kvmesh.loadgen import LoadSpec, run_load
@@ -24,7 +26,6 @@ from kvmesh.stack import GATEWAY_PORT, ROUTER_PORT, StackOptions
 from kvmesh.up import run_up
 from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
-DEFAULT_GATEWAY = f"127.0.0.1:{GATEWAY_PORT}"
 DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
 
 
@@ -33,7 +34,12 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     up = commands.add_parser("up", help="run the whole mesh as local processes")
     up.add_argument("--model", default="smollm2-135m", help="model spec every worker loads")
     up.add_argument("--tier", default="", help="tier id clients ask for (default: from the model)")
-    up.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    up.add_argument(
+        "--mode",
+        choices=["disaggregated", "colocated"],
+        default="disaggregated",
+        help="separate prefill and decode workers, or workers that do both",
+    )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")
     up.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
     up.add_argument("--port", type=int, default=GATEWAY_PORT, help="gateway port")
@@ -54,16 +60,20 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     up.set_defaults(func=cmd_up)
 
     bench = commands.add_parser("bench", help="load-test a gateway (vLLM-style serving metrics)")
-    bench.add_argument("--target", default=DEFAULT_GATEWAY)
+    add_connection_options(bench)
     bench.add_argument("--rate", type=float, default=math.inf, help="requests/s (Poisson)")
     bench.add_argument("--concurrency", type=int, default=0, help="most in flight (0: no limit)")
-    bench.add_argument("--num-requests", type=int, default=100)
-    bench.add_argument("--workload", choices=["random", "prefix", "mixed"], default="random")
-    bench.add_argument("--input-words", type=int, default=64)
-    bench.add_argument("--output-tokens", type=int, default=64)
-    bench.add_argument("--model", default="")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--api-key", default="")
+    bench.add_argument("--num-requests", type=int, default=100, help="requests to send")
+    bench.add_argument(
+        "--workload",
+        choices=["random", "prefix", "mixed"],
+        default="random",
+        help="random prompts, prompts sharing a prefix, or both",
+    )
+    bench.add_argument("--input-words", type=int, default=64, help="words per prompt")
+    bench.add_argument("--output-tokens", type=int, default=64, help="tokens per answer")
+    bench.add_argument("--model", default="", help="model tier ('': the gateway's)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
     bench.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO in seconds")
     bench.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO in seconds")
     bench.add_argument("--json", type=Path, default=None, help="write the summary as JSON")
@@ -71,13 +81,20 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     bench.set_defaults(func=cmd_bench)
 
     status = commands.add_parser("status", help="pools, workers, load and scaling signals")
-    status.add_argument("--router", default=DEFAULT_ROUTER)
+    status.add_argument("--router", default=DEFAULT_ROUTER, help="the router's HOST:PORT")
     status.set_defaults(func=cmd_status)
 
     scale = commands.add_parser("scale", help="add or drain workers of a running `kvmesh up`")
-    scale.add_argument("pool", choices=["prefill", "decode", "worker", "colocated"])
+    scale.add_argument(
+        "pool", choices=["prefill", "decode", "worker", "colocated"], help="the pool to resize"
+    )
     scale.add_argument("delta", type=scale_delta, help="+N to add, -N to drain")
-    scale.add_argument("--state-dir", type=Path, default=Path(".kvmesh"))
+    scale.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".kvmesh"),
+        help="the stack's `kvmesh up --state-dir`",
+    )
     scale.set_defaults(func=cmd_scale)
 
 
@@ -115,8 +132,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         output_tokens=args.output_tokens,
         model=args.model,
         seed=args.seed,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args.api_key),
     )
+    target = resolve_target(args.target)
     console = _console()
     columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
@@ -125,9 +143,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         def advance(_: RequestResult) -> None:
             progress.advance(task)
 
-        results, duration = asyncio.run(run_load(args.target, spec, advance))
+        results, duration = asyncio.run(run_load(target, spec, advance))
     report = summarize(results, duration, Slo(args.slo_ttft, args.slo_tpot))
-    console.print(summary_table(report, f"kvmesh bench → {args.target} ({spec.workload})"))
+    console.print(summary_table(report, f"kvmesh bench → {target} ({spec.workload})"))
     for error in report["errors"]:
         console.print(f"[red]error:[/] {error}")
     if args.json:

@@ -110,6 +110,16 @@ class GenerationResult:
         }
 
 
+def resolve_target(target: str | None) -> str:
+    """The gateway to dial: `target`, else $KVMESH_TARGET, else 127.0.0.1:50051."""
+    return target or os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+
+
+def resolve_api_key(api_key: str | None) -> str:
+    """The tenant key to send: `api_key` (even ""), else $KVMESH_API_KEY, else none."""
+    return api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
+
+
 def build_request(
     prompt: PromptInput,
     *,
@@ -319,8 +329,8 @@ class Client:
         channel: grpc.aio.Channel | None = None,
     ) -> None:
         """`target` defaults to $KVMESH_TARGET or 127.0.0.1:50051, `api_key` to $KVMESH_API_KEY."""
-        self.target = target or os.environ.get(TARGET_ENV) or DEFAULT_TARGET
-        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
+        self.target = resolve_target(target)
+        key = resolve_api_key(api_key)
         self._api_key_metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {key}"),) if key else ()
         )

@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import itertools
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -99,6 +100,27 @@ def _parse_value(kind: Any, raw: str, name: str) -> Any:
         raise ValueError(f"{name}: expected {kind.__name__}, got {raw!r}") from exc
 
 
+def _program() -> str | None:
+    """`python -m services.router` for usage lines, when run with -m (else argparse's own)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is None:
+        return None
+    return f"python -m {spec.name.removesuffix('.__main__')}"
+
+
+def _default(f: dataclasses.Field[Any]) -> str:
+    """A field's default as a flag would spell it."""
+    if f.default is not dataclasses.MISSING:
+        value: Any = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "required"
+    if isinstance(value, tuple):
+        value = ",".join(str(part) for part in value)
+    return repr(value) if value == "" else str(value)
+
+
 def load_config(
     cls: type[Config],
     argv: Sequence[str] | None = None,
@@ -109,12 +131,12 @@ def load_config(
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
-    parser = argparse.ArgumentParser(description=description or cls.__doc__)
+    parser = argparse.ArgumentParser(prog=_program(), description=description or cls.__doc__)
     fields = [f for f in dataclasses.fields(cls) if f.init]
     for f in fields:
         kind = _base_type(hints[f.name])
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{docs.get(f.name, '')} [env {env_var(cls, f.name)}]"
+        help_text = f"{docs.get(f.name, '')} [env {env_var(cls, f.name)}; default {_default(f)}]"
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:

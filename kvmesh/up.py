@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,6 +153,20 @@ class Stack:
         return {"ok": True, "pool": pool, "changed": changed, "workers": len(self.workers(role))}
 
 
+def try_command(gateway_address: str, options: StackOptions) -> str:
+    """A first command that works as printed: the kvmesh beside this Python (no venv to
+    activate) and, with tenants on, the key it needs."""
+    kvmesh = Path(sys.executable).parent / "kvmesh"
+    program = str(kvmesh) if kvmesh.exists() else f"{sys.executable} -m kvmesh.cli"
+    command = f'{program} generate --target {gateway_address} "Hello"'
+    if options.tenants:
+        command += (
+            f"   (with KVMESH_API_KEY set to the key of a tenant in {options.tenants}; "
+            "`kvmesh tenants add` prints a new one)"
+        )
+    return command
+
+
 async def run_up(options: StackOptions, trace_file: Path | None, console: Console) -> int:
     """Starts the stack, waits for Ctrl-C / SIGTERM or a crash, stops everything; exit code.
 
@@ -183,7 +198,7 @@ async def run_up(options: StackOptions, trace_file: Path | None, console: Consol
     gateway = next(s for s in stack.services if s.name == "gateway")
     console.print(summary(stack.services))
     console.print(f"[bold green]gateway ready at {gateway.address}[/]")
-    console.print(f'try: kvmesh generate --target {gateway.address} "Hello"', markup=False)
+    console.print(f"try: {try_command(gateway.address, options)}", markup=False)
     code = await wait_for_stop_or_crash(stack, stop)
     control.close()
     await stack.supervisor.stop_all()

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import io
+import subprocess
+import sys
+from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from kvmesh.cli import describe_error, main
-from kvmesh.client import build_request
-from kvmesh.errors import ResourceExhausted
+from kvmesh.cli import build_parser, describe_error, main, read_prompt
+from kvmesh.client import build_request, resolve_api_key, resolve_target
+from kvmesh.errors import InvalidArgument, ResourceExhausted
+from kvmesh.stack import StackOptions
+from kvmesh.up import try_command
 from kvmesh.v1 import common_pb2
 from services.admission.tenants import PriorityClass, TenantRegistry, load_tenants
 
@@ -77,3 +85,81 @@ def test_tenants_add_prints_the_key_once_and_stores_its_hash(
     assert TenantRegistry.from_file(path).by_key(key) == tenant
     assert main(args) == 2  # the name exists
     assert "exists" in capsys.readouterr().err
+
+
+def every_parser(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """`parser` and each of its subcommands' parsers, depth first."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                yield from every_parser(child)
+
+
+def test_every_flag_of_every_command_has_help() -> None:
+    missing = [
+        f"{parser.prog} {action.dest}"
+        for parser in every_parser(build_parser())
+        for action in parser._actions
+        if not action.help and not isinstance(action, argparse._SubParsersAction)
+    ]
+    assert not missing
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvmesh {metadata.version('kvmesh')}"
+
+
+def test_a_default_that_says_something_is_in_the_help() -> None:
+    up_help = next(p for p in every_parser(build_parser()) if p.prog == "kvmesh up").format_help()
+    assert "(default: disaggregated)" in up_help and "(default: 0)" in up_help
+    assert "(default: None)" not in up_help
+
+
+def test_bench_takes_target_and_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(["bench"])
+    monkeypatch.setenv("KVMESH_TARGET", "10.0.0.7:6000")
+    monkeypatch.setenv("KVMESH_API_KEY", "kvm_from_env")
+    assert resolve_target(args.target) == "10.0.0.7:6000"
+    assert resolve_api_key(args.api_key) == "kvm_from_env"
+    flags = build_parser().parse_args(["bench", "--target", "h:1", "--api-key", ""])
+    assert (resolve_target(flags.target), resolve_api_key(flags.api_key)) == ("h:1", "")
+
+
+def test_generate_reads_the_prompt_from_stdin_or_a_file(tmp_path: Path) -> None:
+    prompt_file = tmp_path / "prompt.txt"
+    prompt_file.write_text("from a file\n", encoding="utf-8")
+    parse = build_parser().parse_args
+    assert read_prompt(parse(["generate", "-"]), io.StringIO("from stdin\n")) == "from stdin\n"
+    from_file = parse(["generate", "--prompt-file", str(prompt_file)])
+    assert read_prompt(from_file, io.StringIO("")) == "from a file\n"
+    assert read_prompt(parse(["generate", "typed"]), io.StringIO("")) == "typed"
+    for neither_or_both in (["generate"], ["generate", "x", "--prompt-file", str(prompt_file)]):
+        with pytest.raises(InvalidArgument, match="give the prompt text"):
+            read_prompt(parse(neither_or_both), io.StringIO(""))
+    with pytest.raises(InvalidArgument, match="cannot read"):
+        read_prompt(parse(["generate", "--prompt-file", str(tmp_path / "none")]), io.StringIO(""))
+
+
+def test_up_prints_a_first_command_that_runs_as_printed(tmp_path: Path) -> None:
+    command = try_command("127.0.0.1:50051", StackOptions())
+    program = command.split(" generate ")[0]
+    assert Path(program.split()[0]).exists() and "KVMESH_API_KEY" not in command
+    with_tenants = try_command("127.0.0.1:50051", StackOptions(tenants=tmp_path / "t.yaml"))
+    assert "KVMESH_API_KEY" in with_tenants and str(tmp_path / "t.yaml") in with_tenants
+
+
+@pytest.mark.parametrize("service", ["admission", "cache", "router", "worker"])
+def test_services_name_themselves_in_their_usage(service: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", f"services.{service}", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0
+    assert result.stdout.startswith(f"usage: python -m services.{service} ")
+    assert "; default " in result.stdout
