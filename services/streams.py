@@ -77,20 +77,27 @@ class CancelWatch(Generic[Message]):
 
 
 async def run_unless_cancelled(work: Awaitable[T], cancelled: asyncio.Event) -> T | None:
-    """Runs `work`; returns None (and cancels it) if `cancelled` is set first."""
+    """Runs `work`; returns None (and cancels it) if `cancelled` is set first.
+
+    Work that takes something (a slot) must hand it to an owner itself when it is cancelled
+    after taking it (services.admission.holdings): its result is not seen here then. A cancel
+    of the caller's own task propagates, never swallowed by the wait for `work` to end."""
     task = asyncio.ensure_future(work)
-    waiter = asyncio.create_task(cancelled.wait())
+    waiter = asyncio.ensure_future(cancelled.wait())
     try:
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
     finally:
         waiter.cancel()
         if not task.done():
+            # Waited for (a generator being advanced must stop before it can be closed),
+            # without swallowing a cancel of our own task: that one propagates after.
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
-        return None
-    return task.result()
+            await asyncio.wait({task})
+            if not task.cancelled():
+                task.exception()  # retrieved: it ends here, with nobody left to report it
+    return None
 
 
 _END = object()

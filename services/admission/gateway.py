@@ -8,13 +8,13 @@ The servicer only turns gRPC into these calls.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 
@@ -36,8 +36,9 @@ from services.admission.auth import (
     authorize_usage_read,
 )
 from services.admission.catalog import AUTO_MODEL, ModelCatalog, ModelSpec, TokenizerLike
-from services.admission.concurrency import ConcurrencyLimits
+from services.admission.concurrency import ConcurrencyLimits, Slot
 from services.admission.downstream import CacheClient, RouterClient
+from services.admission.holdings import Holdings
 from services.admission.idempotency import Claim, IdempotencyStore
 from services.admission.metering import ModelTotals, UsageMeter
 from services.admission.pricing import PriceTable, request_cost
@@ -199,32 +200,42 @@ class Gateway:
     async def _admit_and_run(
         self, job: Job, transcript: Transcript, cancelled: asyncio.Event
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
-        async with self._tenant_slot(job.tenant):
-            reservation = await self.quotas.reserve(job.tenant, job.budget_tokens)
-            try:
-                async for event in self._answer(job, transcript, reservation, cancelled):
-                    yield event
-            finally:
-                if not reservation.settled:
-                    # An error, or the client went away: off this (possibly cancelled) task.
-                    self._in_background(self._abandon_books(job, transcript, reservation))
+        holdings = Holdings(self._in_background)
+        try:
+            if job.tenant.max_concurrent:
+                # Held for the whole request.
+                await holdings.take(
+                    self._tenant_slot(job.tenant), self.concurrency.release, interruptible=False
+                )
+            reservation = await holdings.take(
+                self.quotas.reserve(job.tenant, job.budget_tokens),
+                # An error, or the client went away: charge what reached it, if anything.
+                lambda unsettled: self._abandon_books(job, transcript, unsettled),
+                interruptible=False,
+            )
+            async for event in self._answer(job, transcript, reservation, holdings, cancelled):
+                yield event
+        finally:
+            await holdings.release_all()
 
     async def _answer(
         self,
         job: Job,
         transcript: Transcript,
         reservation: Reservation,
+        holdings: Holdings,
         cancelled: asyncio.Event,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
         key = self._cache_key(job)
         try:
-            async for event in self._produce(job, transcript, key, cancelled):
+            async for event in self._produce(job, transcript, key, holdings, cancelled):
                 yield event
         except ClientCancelled:
             transcript.finish(common_pb2.FINISH_REASON_ABORT)
         for event in transcript.ensure_started():
             yield event
-        await self._close_books(job, transcript, reservation)
+        # On a task of its own: a cancel landing now must not lose the settle half done.
+        await asyncio.shield(self._in_background(self._close_books(job, transcript, reservation)))
         if (
             key is not None
             and not transcript.response_cache_hit
@@ -239,6 +250,7 @@ class Gateway:
         job: Job,
         transcript: Transcript,
         key: cache_pb2.CacheKey | None,
+        holdings: Holdings,
         cancelled: asyncio.Event,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
         """Started and chunks from the cache or the router; leaves transcript.finished set."""
@@ -252,19 +264,24 @@ class Gateway:
                 return
         try:
             ticket = await run_unless_cancelled(
-                self.queue.admit(job.priority, job.stop_at), cancelled
+                holdings.take(
+                    self.queue.admit(job.priority, job.stop_at),
+                    self.queue.release,
+                    interruptible=True,
+                ),
+                cancelled,
             )
         except DeadlineExceeded:
             transcript.finish(common_pb2.FINISH_REASON_DEADLINE)
             return
-        if ticket is None:
+        if ticket is None or cancelled.is_set():
             raise ClientCancelled
         transcript.queue_s = ticket.queued_s
         try:
             async for event in self._route(job, transcript, ticket, cancelled):
                 yield event
         finally:
-            self.queue.release(ticket)
+            await holdings.give_back(ticket)
 
     async def _route(
         self, job: Job, transcript: Transcript, ticket: Ticket, cancelled: asyncio.Event
@@ -413,13 +430,8 @@ class Gateway:
             labels=job.labels,
         )
 
-    @contextlib.asynccontextmanager
-    async def _tenant_slot(self, tenant: Tenant) -> AsyncIterator[None]:
-        """Holds one of the tenant's max_concurrent slots (counted across gateways on one
-        Redis) for the whole request."""
-        if not tenant.max_concurrent:
-            yield
-            return
+    async def _tenant_slot(self, tenant: Tenant) -> Slot:
+        """One of the tenant's max_concurrent slots (counted across gateways on one Redis)."""
         slot = await self.concurrency.acquire(tenant.name, tenant.max_concurrent)
         if slot is None:
             description = f"concurrent requests: {tenant.max_concurrent} of {tenant.max_concurrent}"
@@ -428,24 +440,26 @@ class Gateway:
                 retry_after_s=max(self.queue.expected_wait_s(PriorityClass.INTERACTIVE), 0.1),
                 quota_violations=(QuotaViolation(f"tenant:{tenant.name}", description),),
             )
-        try:
-            yield
-        finally:
-            await self.concurrency.release(slot)
+        return slot
 
     async def _abandon_books(
         self, job: Job, transcript: Transcript, reservation: Reservation
     ) -> None:
         """A request that ended without Finished: charge what reached the client, if anything."""
+        if reservation.settled:
+            return
         if transcript.token_ids:
             await self._close_books(job, transcript, reservation)
         else:
             await self.quotas.release(reservation)
 
-    def _in_background(self, coroutine: Awaitable[None]) -> None:
+    def _in_background(self, coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Runs bookkeeping off the request's task (which a cancel may interrupt); close()
+        waits for it."""
         task = asyncio.ensure_future(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def usage(self, tenant: Tenant, target: str) -> gateway_pb2.UsageResponse:
         """The metered usage of `target` (the caller when empty)."""

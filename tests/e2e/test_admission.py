@@ -9,13 +9,15 @@ Redis that goes away) start their own gateway in front of the same router.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import shutil
 import socket
 import subprocess
 import time
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +39,7 @@ from kvmesh.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
-from kvmesh.v1 import common_pb2, gateway_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.admission.tenants import PriorityClass, Tenant, add_tenant
 from tests.procs import ServiceProcess, start_service
 
@@ -60,6 +62,7 @@ class Mesh:
     keys: dict[str, str]
     model_dir: Path
     redis_prefix: str
+    tenants: Path
 
     def client(self, tenant: str = "alice", gateway: ServiceProcess | None = None) -> kvmesh.Client:
         return kvmesh.Client((gateway or self.gateway).address, api_key=self.keys[tenant])
@@ -93,6 +96,7 @@ def write_tenants(path: Path) -> dict[str, str]:
         Tenant(name="dave", key_sha256="", shared_cache=True),
         Tenant(name="limited", key_sha256="", tokens_per_minute=60),
         Tenant(name="single", key_sha256="", max_concurrent=1),
+        Tenant(name="stormy", key_sha256="", max_concurrent=24),
         Tenant(name="batcher", key_sha256="", models=(TIER,), highest_priority=PriorityClass.BATCH),
     ]
     return {spec.name: add_tenant(path, spec)[1] for spec in specs}
@@ -152,7 +156,7 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         )
         started.append(gateway_b)
         wait_until_served(gateway.address, keys["alice"])
-        yield Mesh(worker, router, cache, gateway, gateway_b, keys, tiny_llama_dir, prefix)
+        yield Mesh(worker, router, cache, gateway, gateway_b, keys, tiny_llama_dir, prefix, tenants)
     finally:
         for process in reversed(started):
             process.terminate()
@@ -389,14 +393,19 @@ async def test_redis_down_means_misses_and_hits_resume_when_it_is_back(mesh: Mes
 # --- admission control -----------------------------------------------------------------------
 
 
-def waiting(gateway: ServiceProcess, priority: str) -> float:
-    """The gateway's kvmesh:admission_requests_waiting gauge for a priority."""
+def gauge(gateway: ServiceProcess, name: str, priority: str) -> float:
+    """The gateway's gauge `name` (kvmesh:admission_requests_NAME) for a priority."""
     url = f"http://127.0.0.1:{gateway.metrics_port}/metrics"
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
-    line = f'kvmesh:admission_requests_waiting{{priority="{priority}"}} '
+    line = f'kvmesh:admission_requests_{name}{{priority="{priority}"}} '
     found = [row for row in text.splitlines() if row.startswith(line)]
     return float(found[0].split()[-1]) if found else 0.0
+
+
+def waiting(gateway: ServiceProcess, priority: str) -> float:
+    """The gateway's kvmesh:admission_requests_waiting gauge for a priority."""
+    return gauge(gateway, "waiting", priority)
 
 
 async def until(condition: Callable[[], Awaitable[bool]], within_s: float = 10.0) -> None:
@@ -462,6 +471,96 @@ async def test_interactive_goes_first_and_a_full_queue_sheds(mesh: Mesh) -> None
             await asyncio.gather(holder, interactive, *flood)
         assert finished[:2] == ["b0", "i"], finished
     finally:
+        gateway.terminate()
+
+
+STORM_IN_FLIGHT = 4
+
+
+async def cancel_storm(address: str, api_key: str, count: int, seed: int) -> None:
+    """`count` requests, each cancelled at a random moment: half by a Cancel message, half by
+    cutting the call (what a client that goes away does), spread over every await of admission
+    (tenant slot, budget, cache lookup, queue) and of routing."""
+    rng = random.Random(seed)
+    metadata = (("authorization", f"Bearer {api_key}"),)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        async def one(index: int) -> None:
+            request = gateway_pb2.GenerateRequest(
+                prompt=common_pb2.Prompt(text=LONG_PROMPT if index % 3 else unique("storm")),
+                sampling=common_pb2.SamplingParams(max_tokens=20, ignore_eos=True),
+                cache_policy=common_pb2.CACHE_POLICY_USE
+                if index % 3 == 0
+                else common_pb2.CACHE_POLICY_BYPASS,
+            )
+            outbox: asyncio.Queue[gateway_pb2.GenerateClientMessage | None] = asyncio.Queue()
+            outbox.put_nowait(gateway_pb2.GenerateClientMessage(request=request))
+
+            async def messages() -> AsyncIterator[gateway_pb2.GenerateClientMessage]:
+                while (message := await outbox.get()) is not None:
+                    yield message
+
+            call = stub.Generate(messages(), metadata=metadata, timeout=30)
+            await asyncio.sleep(rng.uniform(0, 0.03))
+            if index % 2:
+                call.cancel()
+            else:
+                outbox.put_nowait(
+                    gateway_pb2.GenerateClientMessage(cancel=common_pb2.Cancel(reason="storm"))
+                )
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+                async for _ in call:
+                    pass
+            outbox.put_nowait(None)
+
+        for start in range(0, count, 50):
+            await asyncio.gather(*(one(i) for i in range(start, min(start + 50, count))))
+
+
+async def test_no_admission_slot_outlives_a_cancel_storm(mesh: Mesh) -> None:
+    gateway = start_service(
+        "services.admission",
+        gateway_args(mesh.router.address, mesh.model_dir, "--max-in-flight", str(STORM_IN_FLIGHT),
+                     "--batch-max-in-flight", "1", "--cache", mesh.cache.address,
+                     "--tenants", str(mesh.tenants), "--redis", REDIS_URL,
+                     "--redis-prefix", mesh.redis_prefix),
+    )  # fmt: skip
+    books = redis.Redis.from_url(REDIS_URL)
+    slots_key = f"{mesh.redis_prefix}slots:{{stormy}}"
+    try:
+        await cancel_storm(gateway.address, mesh.keys["stormy"], 1000, seed=14)
+
+        async def settled() -> bool:
+            seen = [
+                await asyncio.to_thread(gauge, gateway, name, "interactive")
+                for name in ("running", "waiting")
+            ]
+            seen.append(await asyncio.to_thread(books.zcard, slots_key))
+            async with kvmesh.Client(gateway.address, api_key=mesh.keys["stormy"]) as stormy:
+                usage = await stormy.usage()
+            metered = sum(m.usage.prompt_tokens + m.usage.completion_tokens for m in usage.models)
+            seen.append(usage.tokens_today - metered)
+            settled.__doc__ = (
+                "running and waiting gauges, tenant slots in Redis and budget reserved beyond "
+                f"what was metered all 0 after the storm (seen {seen})"
+            )
+            return seen == [0, 0, 0, 0]
+
+        await until(settled)
+        # Every slot is free again: max-in-flight requests all run at once.
+        async with kvmesh.Client(gateway.address, api_key=mesh.keys["stormy"]) as stormy:
+            probes = [
+                stormy.stream(LONG_PROMPT, max_tokens=200, ignore_eos=True, cache_policy="bypass")
+                for _ in range(STORM_IN_FLIGHT)
+            ]
+            for probe in probes:
+                await asyncio.wait_for(anext(probe), 30)
+            assert await asyncio.to_thread(gauge, gateway, "running", "interactive") == len(probes)
+            for probe in probes:
+                await probe.cancel()
+    finally:
+        books.close()
         gateway.terminate()
 
 
