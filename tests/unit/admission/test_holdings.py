@@ -37,12 +37,8 @@ async def test_a_queue_slot_granted_around_a_cancel_is_given_back(by_event: bool
             holder = await queue.admit(INTERACTIVE)
             holdings = Holdings(spawn)
             cancelled = asyncio.Event()
-            waiter = asyncio.ensure_future(
-                run_unless_cancelled(
-                    holdings.take(queue.admit(INTERACTIVE), queue.release, interruptible=True),
-                    cancelled,
-                )
-            )
+            take = holdings.take(queue.admit(INTERACTIVE), queue.release, interruptible=True)
+            waiter = asyncio.ensure_future(run_unless_cancelled(take, cancelled))
             await ticks(before)
             queue.release(holder)
             await ticks(after)
