@@ -8,6 +8,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TextIO, cast
 
 import grpc
 from rich.console import Console
@@ -18,12 +19,12 @@ from kvmesh.bench_report import RequestResult, Slo, plot_results, summarize, sum
 from kvmesh.channels import insecure_channel
 from kvmesh.cli import add_connection_options
 from kvmesh.client import resolve_api_key, resolve_target
-from kvmesh.control import call_control, socket_path
-from kvmesh.errors import KvmeshError, Unavailable, Unimplemented
+from kvmesh.control import call_control, default_state_dir, read_stack_file, socket_path
+from kvmesh.errors import InvalidArgument, KvmeshError, Unavailable, Unimplemented
 from kvmesh.loadgen import LoadSpec, run_load
 from kvmesh.rpc_status import error_from_rpc
 from kvmesh.stack import GATEWAY_PORT, ROUTER_PORT, StackOptions
-from kvmesh.up import run_up
+from kvmesh.up import PipeSafeOutput, run_up
 from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
@@ -42,15 +43,21 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")
     up.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
-    up.add_argument("--port", type=int, default=GATEWAY_PORT, help="gateway port")
-    up.add_argument("--host", default="127.0.0.1", help="address every service binds")
     up.add_argument(
-        "--port-offset", type=int, default=0, help="shift every other port (a second stack)"
+        "--port", type=int, default=None, help=f"gateway port (default: {GATEWAY_PORT} + offset)"
     )
+    up.add_argument("--host", default="127.0.0.1", help="address every service binds")
+    up.add_argument("--port-offset", type=int, default=0, help="shift every port (a second stack)")
     up.add_argument("--tenants", type=Path, default=None, help="tenants YAML for the gateway")
     up.add_argument("--redis", default="", help="Redis URL for budgets and the response cache")
     up.add_argument("--trace-file", type=Path, default=None, help="write spans as JSON lines")
-    up.add_argument("--state-dir", type=Path, default=Path(".kvmesh"), help="generated files")
+    up.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="the stack's generated files and control socket (default: .kvmesh/stack-PORT, "
+        "PORT the gateway's)",
+    )
     up.add_argument(
         "--worker-arg",
         action="append",
@@ -81,7 +88,13 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     bench.set_defaults(func=cmd_bench)
 
     status = commands.add_parser("status", help="pools, workers, load and scaling signals")
-    status.add_argument("--router", default=DEFAULT_ROUTER, help="the router's HOST:PORT")
+    add_connection_options(status)
+    status.add_argument(
+        "--router",
+        default=None,
+        help=f"the router's HOST:PORT (default: the one of the `kvmesh up` whose gateway "
+        f"--target names, else {DEFAULT_ROUTER})",
+    )
     status.set_defaults(func=cmd_status)
 
     scale = commands.add_parser("scale", help="add or drain workers of a running `kvmesh up`")
@@ -89,11 +102,12 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
         "pool", choices=["prefill", "decode", "worker", "colocated"], help="the pool to resize"
     )
     scale.add_argument("delta", type=scale_delta, help="+N to add, -N to drain")
+    add_connection_options(scale)
     scale.add_argument(
         "--state-dir",
         type=Path,
-        default=Path(".kvmesh"),
-        help="the stack's `kvmesh up --state-dir`",
+        default=None,
+        help="the stack's up --state-dir (default: that of the stack whose gateway --target names)",
     )
     scale.set_defaults(func=cmd_scale)
 
@@ -103,23 +117,41 @@ def _console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
+def gateway_port_of(target: str) -> int:
+    """The port of a HOST:PORT gateway address."""
+    _, _, port = target.rpartition(":")
+    if not port.isdigit():
+        raise InvalidArgument("--target", f"expected HOST:PORT, got {target!r}")
+    return int(port)
+
+
+def state_dir_of(args: argparse.Namespace) -> Path:
+    """--state-dir, else the state folder of the stack whose gateway --target names."""
+    if args.state_dir is not None:
+        return Path(args.state_dir)
+    return default_state_dir(gateway_port_of(resolve_target(args.target)))
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    gateway_port = GATEWAY_PORT + args.port_offset if args.port is None else args.port
+    state_dir = args.state_dir or default_state_dir(gateway_port)
     options = StackOptions(
         model=args.model,
         tier=args.tier,
         mode=args.mode,
         prefill=args.prefill,
         decode=args.decode,
-        gateway_port=args.port,
+        gateway_port=gateway_port,
         tenants=args.tenants,
         redis=args.redis,
         host=args.host,
         port_offset=args.port_offset,
-        state_dir=args.state_dir,
+        state_dir=state_dir,
         worker_args=tuple(args.worker_arg),
     )
     trace_file = args.trace_file.resolve() if args.trace_file else None
-    return asyncio.run(run_up(options, trace_file, Console()))
+    output = cast(TextIO, PipeSafeOutput(sys.stdout))  # a TextIOBase: what Console writes to
+    return asyncio.run(run_up(options, trace_file, Console(file=output)))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -160,9 +192,19 @@ def _spec_dict(spec: LoadSpec) -> dict[str, object]:
     return {name: getattr(spec, name) for name in spec.__slots__ if name != "api_key"}
 
 
+def router_of(args: argparse.Namespace) -> str:
+    """--router, else the router of the running stack whose gateway --target names."""
+    if args.router:
+        return str(args.router)
+    recorded = read_stack_file(default_state_dir(gateway_port_of(resolve_target(args.target))))
+    return recorded["router"] if recorded else DEFAULT_ROUTER
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    router = router_of(args)
+
     async def fetch() -> router_pb2.RouterStatusResponse:
-        async with insecure_channel(args.router) as channel:
+        async with insecure_channel(router) as channel:
             reply: router_pb2.RouterStatusResponse = await router_pb2_grpc.RouterStub(
                 channel
             ).Status(router_pb2.RouterStatusRequest(), timeout=10)
@@ -171,8 +213,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     try:
         status = asyncio.run(fetch())
     except grpc.RpcError as error:
-        raise _router_error(args.router, error) from None
-    table = Table(title=f"kvmesh status ({args.router})")
+        raise _router_error(router, error) from None
+    table = Table(title=f"kvmesh status ({router})")
     for column in ("tier", "pool", "worker", "healthy", "running", "waiting", "KV used", "tok/s"):
         table.add_column(column)
     table.add_column("recommended", justify="right")
@@ -224,7 +266,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     delta: int = args.delta
     reply = asyncio.run(
         call_control(
-            socket_path(args.state_dir), {"op": "scale", "pool": args.pool, "delta": delta}
+            socket_path(state_dir_of(args)), {"op": "scale", "pool": args.pool, "delta": delta}
         )
     )
     console = Console()

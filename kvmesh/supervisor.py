@@ -79,6 +79,8 @@ class Supervisor:
                 if port > 0 and port_in_use(service.host, port):
                     raise StartupError(
                         f"{service.name}: {kind} port {service.host}:{port} is already in use"
+                        " (another stack? start this one with --port-offset N, which moves"
+                        " every port)"
                     )
 
     async def spawn(self, service: StackService) -> Child:

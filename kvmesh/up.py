@@ -8,18 +8,27 @@ rotation, then SIGTERM: the worker turns NOT_SERVING and finishes its in-flight 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from kvmesh.channels import insecure_channel
-from kvmesh.control import serve_control, socket_path
+from kvmesh.control import (
+    control_answers,
+    serve_control,
+    socket_path,
+    stack_file,
+    write_stack_file,
+)
 from kvmesh.errors import InvalidArgument
 from kvmesh.stack import (
     StackOptions,
@@ -178,6 +187,12 @@ async def run_up(options: StackOptions, trace_file: Path | None, console: Consol
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    if await control_answers(socket_path(options.state_dir)):
+        console.print(
+            f"[bold red]kvmesh up failed:[/] a stack is already running from "
+            f"{options.state_dir}; stop it first, or start this one with --port-offset N"
+        )
+        return 1
     try:
         stack.supervisor.check_ports(stack.services)
         write_pools_file(options, [s for s in stack.services if s.role])
@@ -195,15 +210,52 @@ async def run_up(options: StackOptions, trace_file: Path | None, console: Consol
         await stack.supervisor.stop_all()
         return 1
     control = await serve_control(socket_path(options.state_dir), stack.handle_control)
-    gateway = next(s for s in stack.services if s.name == "gateway")
-    console.print(summary(stack.services))
-    console.print(f"[bold green]gateway ready at {gateway.address}[/]")
-    console.print(f"try: {try_command(gateway.address, options)}", markup=False)
-    code = await wait_for_stop_or_crash(stack, stop)
-    control.close()
-    await stack.supervisor.stop_all()
-    socket_path(options.state_dir).unlink(missing_ok=True)
-    return code
+    try:
+        gateway = next(s for s in stack.services if s.name == "gateway")
+        addresses = {"gateway": gateway.address, "router": stack.router.address}
+        write_stack_file(options.state_dir, addresses)
+        console.print(summary(stack.services))
+        console.print(f"[bold green]gateway ready at {gateway.address}[/]")
+        console.print(f"try: {try_command(gateway.address, options)}", markup=False)
+        return await wait_for_stop_or_crash(stack, stop)
+    finally:  # whatever ends the wait: the stack stops and its state goes with it
+        control.close()
+        await stack.supervisor.stop_all()
+        socket_path(options.state_dir).unlink(missing_ok=True)
+        stack_file(options.state_dir).unlink(missing_ok=True)
+
+
+class PipeSafeOutput(io.TextIOBase):
+    """Standard output that goes quiet once its reader is gone, so that `kvmesh up | tee log`
+    stopped with Ctrl-C (which ends tee first) still stops every service and removes its
+    state instead of dying on BrokenPipeError."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._broken = False
+
+    def write(self, text: str) -> int:
+        if not self._broken:
+            try:
+                self._stream.write(text)
+                self._stream.flush()
+            except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+                self._broken = True
+                self._point_at_devnull()
+        return len(text)
+
+    def isatty(self) -> bool:
+        return not self._broken and self._stream.isatty()
+
+    def fileno(self) -> int:
+        return self._stream.fileno()
+
+    def _point_at_devnull(self) -> None:
+        """The interpreter flushes stdout at exit: give that flush somewhere to go."""
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
 
 
 async def wait_for_stop_or_crash(stack: Stack, stop: asyncio.Event) -> int:

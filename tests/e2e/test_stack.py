@@ -57,11 +57,19 @@ def pick_offset() -> int:
 @dataclass
 class RunningStack:
     proc: subprocess.Popen[str]
+    reader: subprocess.Popen[str]
+    """What reads kvmesh up's output, as `tee` does in `kvmesh up | tee log`."""
     gateway: str
     offset: int
-    state_dir: Path
+    cwd: Path
+    """The folder kvmesh up was started in: its state lives under .kvmesh/ there."""
     spans: Path
     output: list[str] = field(default_factory=list)
+
+    @property
+    def state_dir(self) -> Path:
+        """The stack's own state folder, keyed by its gateway port."""
+        return self.cwd / ".kvmesh" / f"stack-{50051 + self.offset}"
 
     def metrics_url(self, port: int) -> str:
         return f"http://127.0.0.1:{port}/metrics"
@@ -72,7 +80,8 @@ class RunningStack:
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "kvmesh.cli", *args],
-            cwd=REPO_ROOT,
+            cwd=self.cwd,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -84,7 +93,7 @@ class RunningStack:
 def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
     state = tmp_path_factory.mktemp("stack")
     offset = pick_offset()
-    gateway_port = 50051 + offset
+    gateway_port = 50051 + offset  # --port-offset moves the gateway too
     spans = state / "spans.jsonl"
     proc = subprocess.Popen(
         [
@@ -96,29 +105,33 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             str(tiny_llama_dir),
             "--tier",
             TIER,
-            "--port",
-            str(gateway_port),
             "--port-offset",
             str(offset),
-            "--state-dir",
-            str(state),
             "--trace-file",
             str(spans),
             "--worker-arg=--num-kv-blocks=256",
             "--worker-arg=--num-threads=1",
         ],
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
+        cwd=state,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(REPO_ROOT),
+            "PYTHONUNBUFFERED": "1",
+            "COLUMNS": "200",
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    running = RunningStack(proc, f"127.0.0.1:{gateway_port}", offset, state, spans)
+    reader = subprocess.Popen(["cat"], stdin=proc.stdout, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.close()  # the reader alone holds the pipe, as tee does
+    running = RunningStack(proc, reader, f"127.0.0.1:{gateway_port}", offset, state, spans)
     ready = threading.Event()
 
     def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        assert reader.stdout is not None
+        for line in reader.stdout:
             running.output.append(line)
             if "gateway ready at" in line:
                 ready.set()
@@ -129,9 +142,10 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         proc.kill()
         pytest.fail("kvmesh up did not become ready:\n" + "".join(running.output[-60:]))
     yield running
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    for process in (proc, reader):
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -239,8 +253,11 @@ def test_one_trace_per_request_across_all_five_processes(stack: RunningStack) ->
 
 def test_status_and_the_scaling_signal(stack: RunningStack) -> None:
     router = f"127.0.0.1:{50052 + stack.offset}"
-    reply = stack.cli("status", "--router", router)
+    recorded = json.loads((stack.state_dir / "stack.json").read_text())
+    assert recorded == {"gateway": stack.gateway, "router": router}
+    reply = stack.cli("status", "--target", stack.gateway)  # the stack found by its gateway
     assert reply.returncode == 0, reply.stderr
+    assert f"kvmesh status ({router})" in reply.stdout
     assert "prefill" in reply.stdout and "decode" in reply.stdout
     samples = scrape(stack.metrics_url(9452 + stack.offset))
     # An idle pool needs its minimum of one replica (the default warm buffer is 0).
@@ -269,7 +286,7 @@ async def concurrent_streams(target: str, count: int, max_tokens: int) -> list[A
 
 
 def test_scale_up_adds_a_decode_worker_that_serves(stack: RunningStack) -> None:
-    reply = stack.cli("scale", "decode", "+1", "--state-dir", str(stack.state_dir), timeout=180)
+    reply = stack.cli("scale", "decode", "+1", "--target", stack.gateway, timeout=180)
     assert reply.returncode == 0, reply.stdout + reply.stderr
     new_address = f"127.0.0.1:{FIRST_WORKER_PORT + stack.offset + 2}"
     assert new_address in reply.stdout
@@ -290,7 +307,7 @@ def test_draining_a_worker_lets_its_in_flight_requests_finish(stack: RunningStac
         ]
         await asyncio.wait_for(started.wait(), 60)
         drained = await asyncio.to_thread(
-            stack.cli, "scale", "decode", "-1", "--state-dir", str(stack.state_dir)
+            stack.cli, "scale", "decode", "-1", "--target", stack.gateway
         )
         assert drained.returncode == 0, drained.stdout + drained.stderr
         return await asyncio.gather(*tasks)
@@ -308,10 +325,15 @@ def test_ctrl_c_stops_every_process(stack: RunningStack) -> None:
         ["ps", "-o", "pid=", "--ppid", str(stack.proc.pid)], capture_output=True, text=True
     ).stdout.split()
     assert len(children) == 5  # cache, prefill-0, decode-0, router, gateway (decode-1 drained)
+    assert (stack.state_dir / "control.sock").exists()
+    stack.reader.kill()  # Ctrl-C on `kvmesh up | tee log` ends tee first
+    stack.reader.wait()
     stack.proc.send_signal(signal.SIGINT)
     assert stack.proc.wait(timeout=90) == 0
     for pid in map(int, children):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    assert not (stack.state_dir / "control.sock").exists()
+    assert not (stack.state_dir / "stack.json").exists()
     logs = "".join(stack.output)
     assert "Traceback" not in logs, "a service logged an error:\n" + logs[-4000:]
