@@ -43,7 +43,7 @@ from rich.table import Table
 from bench.report import RESULTS, write_results, write_section
 from kvmesh.bench_report import RequestResult, Slo, summarize
 from kvmesh.loadgen import LoadSpec, build_requests, run_load
-from kvmesh.stack import StackOptions, plan_stack, write_pools_file
+from kvmesh.stack import OPENAI_HTTP_PORT, StackOptions, plan_stack, write_pools_file
 from kvmesh.supervisor import Supervisor
 from kvmesh.up import start_waves
 from kvmesh.v1 import gateway_pb2
@@ -171,6 +171,7 @@ async def running_mesh(args: argparse.Namespace) -> AsyncIterator[str]:
             mode="disaggregated",
             port_offset=PORT_OFFSET,
             gateway_port=50051 + PORT_OFFSET,
+            http_port=OPENAI_HTTP_PORT + PORT_OFFSET,
             state_dir=Path(state),
         )
         services = plan_stack(options)
@@ -179,7 +180,7 @@ async def running_mesh(args: argparse.Namespace) -> AsyncIterator[str]:
         write_pools_file(options, [s for s in services if s.role])
         try:
             await supervisor.start_all(start_waves(services))
-            yield services[-1].address
+            yield next(s for s in services if s.name == "gateway").address
         finally:
             await supervisor.stop_all()
 

@@ -23,7 +23,7 @@ from kvmesh.control import call_control, default_state_dir, read_stack_file, soc
 from kvmesh.errors import InvalidArgument, KvmeshError, Unavailable, Unimplemented
 from kvmesh.loadgen import LoadSpec, run_load
 from kvmesh.rpc_status import error_from_rpc
-from kvmesh.stack import GATEWAY_PORT, ROUTER_PORT, StackOptions
+from kvmesh.stack import GATEWAY_PORT, OPENAI_HTTP_PORT, ROUTER_PORT, StackOptions
 from kvmesh.up import PipeSafeOutput, run_up
 from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
@@ -45,6 +45,12 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     up.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
     up.add_argument(
         "--port", type=int, default=None, help=f"gateway port (default: {GATEWAY_PORT} + offset)"
+    )
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help=f"OpenAI-compatible HTTP port (default: {OPENAI_HTTP_PORT} + offset)",
     )
     up.add_argument("--host", default="127.0.0.1", help="address every service binds")
     up.add_argument("--port-offset", type=int, default=0, help="shift every port (a second stack)")
@@ -134,6 +140,7 @@ def state_dir_of(args: argparse.Namespace) -> Path:
 
 def cmd_up(args: argparse.Namespace) -> int:
     gateway_port = GATEWAY_PORT + args.port_offset if args.port is None else args.port
+    http_port = OPENAI_HTTP_PORT + args.port_offset if args.http_port is None else args.http_port
     state_dir = args.state_dir or default_state_dir(gateway_port)
     options = StackOptions(
         model=args.model,
@@ -142,6 +149,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         decode=args.decode,
         gateway_port=gateway_port,
+        http_port=http_port,
         tenants=args.tenants,
         redis=args.redis,
         host=args.host,

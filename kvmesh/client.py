@@ -52,11 +52,27 @@ PromptInput = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 
 @dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """The log-probability of one generated token, and its most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, log-probability) of the alternatives, most likely first."""
+
+    @classmethod
+    def from_proto(cls, entry: common_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(entry.token_id, entry.logprob, tuple((t.token_id, t.logprob) for t in entry.top))
+
+
+@dataclass(slots=True, frozen=True)
 class Chunk:
     """Tokens that arrived together, and the text they add."""
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token when the request asked for logprobs, else empty."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,8 +105,13 @@ class GenerationResult:
     finish_reason: str
     """"stop", "length", "abort", "deadline" or "error"."""
     model: str
+    """The tier that served the request."""
     request_id: str
     usage: UsageInfo
+    fallback: bool = False
+    """The requested tier had no healthy worker and a cheaper one served instead."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per token when the request asked for logprobs."""
     queue_ms: float = 0.0
     ttft_ms: float = 0.0
     e2e_ms: float = 0.0
@@ -130,6 +151,7 @@ def build_request(
     top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
+    logprobs: int | None = None,
     ignore_eos: bool = False,
     priority: str = "interactive",
     cache_policy: str = "use",
@@ -150,6 +172,7 @@ def build_request(
         sampling.top_p = top_p
     _set_unsigned(sampling, "top_k", top_k, UINT32_MAX)
     _set_unsigned(sampling, "seed", seed, UINT64_MAX)
+    _set_unsigned(sampling, "logprobs", logprobs, UINT32_MAX)
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
         idempotency_key=idempotency_key,
@@ -199,6 +222,7 @@ class _Progress:
     started: common_pb2.Started | None = None
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: common_pb2.Finished | None = None
 
 
@@ -243,26 +267,42 @@ class GenerationStream:
         return self
 
     async def __anext__(self) -> Chunk:
-        if self._progress.finished is not None:
-            raise StopAsyncIteration
+        while self._progress.finished is None:
+            chunk = await self._next_event()
+            if chunk is not None:
+                return chunk
+        raise StopAsyncIteration
+
+    async def wait_started(self) -> common_pb2.Started:
+        """The Started event (model tier, placement, cache hit), read before any chunk.
+
+        Raises the typed error when the gateway refuses the request."""
+        while self._progress.started is None and self._progress.finished is None:
+            if await self._next_event() is not None:
+                raise Internal("the gateway sent tokens before its Started event")
+        return self._progress.started or common_pb2.Started()
+
+    async def _next_event(self) -> Chunk | None:
+        """Reads one event and records it; the chunk when it was one."""
         try:
             call = self._call or await self._start()
-            while True:
-                event = await call.read()
-                if event is grpc.aio.EOF:
-                    raise Internal("the gateway ended the stream without a Finished event")
-                kind = event.WhichOneof("event")
-                if kind == "started":
-                    self._progress.started = event.started
-                elif kind == "chunk":
-                    self._progress.token_ids.extend(event.chunk.token_ids)
-                    self._progress.text.append(event.chunk.text)
-                    return Chunk(event.chunk.text, tuple(event.chunk.token_ids))
-                elif kind == "finished":
-                    self._progress.finished = event.finished
-                    # Wait for the call's status, so closing the stream now cancels nothing.
-                    await call.read()
-                    raise StopAsyncIteration
+            event = await call.read()
+            if event is grpc.aio.EOF:
+                raise Internal("the gateway ended the stream without a Finished event")
+            kind = event.WhichOneof("event")
+            if kind == "started":
+                self._progress.started = event.started
+            elif kind == "chunk":
+                logprobs = tuple(TokenLogprob.from_proto(e) for e in event.chunk.logprobs)
+                self._progress.token_ids.extend(event.chunk.token_ids)
+                self._progress.text.append(event.chunk.text)
+                self._progress.logprobs.extend(logprobs)
+                return Chunk(event.chunk.text, tuple(event.chunk.token_ids), logprobs)
+            elif kind == "finished":
+                self._progress.finished = event.finished
+                # Wait for the call's status, so closing the stream now cancels nothing.
+                await call.read()
+            return None
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from None
 
@@ -310,6 +350,8 @@ class GenerationStream:
             model=started.model,
             request_id=started.request_id,
             usage=UsageInfo.from_proto(finished.usage),
+            fallback=started.placement.fallback,
+            logprobs=list(progress.logprobs),
             queue_ms=finished.timings.queue_ms,
             ttft_ms=finished.timings.ttft_ms,
             e2e_ms=finished.timings.e2e_ms,
@@ -344,9 +386,13 @@ class Client:
         self, prompt: PromptInput, *, deadline_s: float | None = None, **options: Any
     ) -> GenerationStream:
         """Streams a generation; `options` are those of `build_request`."""
-        return GenerationStream(
-            self._stub, build_request(prompt, **options), self._metadata(), deadline_s
-        )
+        return self.stream_request(build_request(prompt, **options), deadline_s=deadline_s)
+
+    def stream_request(
+        self, request: gateway_pb2.GenerateRequest, *, deadline_s: float | None = None
+    ) -> GenerationStream:
+        """Streams a prepared request (see `build_request`)."""
+        return GenerationStream(self._stub, request, self._metadata(), deadline_s)
 
     async def generate(
         self, prompt: PromptInput, *, deadline_s: float | None = None, **options: Any

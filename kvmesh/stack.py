@@ -18,9 +18,11 @@ GATEWAY_PORT = 50051
 ROUTER_PORT = 50052
 CACHE_PORT = 50053
 FIRST_WORKER_PORT = 50061
+OPENAI_HTTP_PORT = 8000
 GATEWAY_METRICS_PORT = 9451
 ROUTER_METRICS_PORT = 9452
 CACHE_METRICS_PORT = 9453
+OPENAI_HTTP_METRICS_PORT = 9454
 FIRST_WORKER_METRICS_PORT = 9461
 
 WORKER_GRACE_S = 30.0
@@ -45,6 +47,8 @@ class StackOptions:
     """Decode workers (disaggregated mode); colocated mode starts this many colocated workers."""
     gateway_port: int = GATEWAY_PORT
     """Port of the admission gateway, the stack's front door."""
+    http_port: int = OPENAI_HTTP_PORT
+    """Port of the OpenAI-compatible HTTP door in front of the gateway."""
     port_offset: int = 0
     """Added to every other gRPC and metrics port, to run a second stack beside the first."""
     tenants: Path | None = None
@@ -82,11 +86,23 @@ class StackService:
     """Prometheus port."""
     role: str = ""
     """Worker role (prefill, decode, both); empty for other services."""
+    http: bool = False
+    """It serves HTTP (the OpenAI door), not gRPC."""
 
     @property
     def address(self) -> str:
         """host:port for clients."""
         return f"{self.host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        """How a client reaches it: host:port for gRPC, the API's base URL for HTTP."""
+        return f"http://{self.address}/v1" if self.http else self.address
+
+    def healthcheck(self, host: str = "127.0.0.1") -> list[str]:
+        """The `python -m kvmesh.healthcheck` argv that probes it on `host`."""
+        probe = ["--http"] if self.http else []
+        return ["python", "-m", "kvmesh.healthcheck", *probe, f"{host}:{self.port}"]
 
     def command(self, python: str) -> list[str]:
         """The argv that starts it."""
@@ -167,7 +183,7 @@ def write_pools_file(options: StackOptions, workers: list[StackService]) -> Path
 
 
 def plan_stack(options: StackOptions) -> list[StackService]:
-    """Every process, in start order: cache, workers, router, gateway."""
+    """Every process, in start order: cache, workers, router, gateway, OpenAI HTTP door."""
     host = options.host
     offset = options.port_offset
     cache_port, cache_metrics = CACHE_PORT + offset, CACHE_METRICS_PORT + offset
@@ -219,4 +235,22 @@ def plan_stack(options: StackOptions) -> list[StackService]:
         options.gateway_port,
         gateway_metrics,
     )
-    return [cache, *workers, router, gateway]
+    openai_http = StackService(
+        "openai",
+        "services.openai_http",
+        (
+            "--gateway",
+            gateway.address,
+            "--host",
+            host,
+            "--port",
+            str(options.http_port),
+            "--metrics-port",
+            str(OPENAI_HTTP_METRICS_PORT + offset),
+        ),
+        host,
+        options.http_port,
+        OPENAI_HTTP_METRICS_PORT + offset,
+        http=True,
+    )
+    return [cache, *workers, router, gateway, openai_http]

@@ -54,8 +54,9 @@ ROLE_PROTO = {
 
 
 def start_waves(services: list[StackService]) -> list[list[StackService]]:
-    """Cache and workers first (they depend on nothing), then the router, then the gateway."""
-    later = ("router", "gateway")
+    """Cache and workers first (they depend on nothing), then the router, then the gateway,
+    then the OpenAI HTTP door in front of it."""
+    later = ("router", "gateway", "openai")
     first = [s for s in services if s.name not in later]
     return [first, *([s for s in services if s.name == name] for name in later)]
 
@@ -74,13 +75,11 @@ def make_printer(console: Console) -> Printer:
 def summary(services: list[StackService]) -> Table:
     """The table printed once everything answers."""
     table = Table(title="kvmesh is up")
-    for column in ("service", "module", "gRPC", "metrics"):
+    for column in ("service", "module", "address", "metrics"):
         table.add_column(column)
     for service in services:
         name = f"{service.name} ({service.role})" if service.role else service.name
-        table.add_row(
-            name, service.module, service.address, f"{service.host}:{service.metrics_port}"
-        )
+        table.add_row(name, service.module, service.url, f"{service.host}:{service.metrics_port}")
     return table
 
 
@@ -215,7 +214,10 @@ async def run_up(options: StackOptions, trace_file: Path | None, console: Consol
         addresses = {"gateway": gateway.address, "router": stack.router.address}
         write_stack_file(options.state_dir, addresses)
         console.print(summary(stack.services))
-        console.print(f"[bold green]gateway ready at {gateway.address}[/]")
+        door = next(s for s in stack.services if s.http)
+        console.print(
+            f"[bold green]gateway ready at {gateway.address}, OpenAI API at {door.url}[/]"
+        )
         console.print(f"try: {try_command(gateway.address, options)}", markup=False)
         return await wait_for_stop_or_crash(stack, stop)
     finally:  # whatever ends the wait: the stack stops and its state goes with it

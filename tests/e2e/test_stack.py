@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -25,17 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
+import openai
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
-from google.protobuf.message import Message
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
-    ProtoReflectionDescriptorDatabase,
-)
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvmesh
-from kvmesh.stack import FIRST_WORKER_METRICS_PORT, FIRST_WORKER_PORT, GATEWAY_METRICS_PORT
+from kvmesh.stack import (
+    FIRST_WORKER_METRICS_PORT,
+    FIRST_WORKER_PORT,
+    GATEWAY_METRICS_PORT,
+    OPENAI_HTTP_PORT,
+)
 from tests.procs import REPO_ROOT
 
 TIER = "tiny"
@@ -56,6 +55,7 @@ def pick_offset() -> int:
     """A port offset under which every port a 3-worker stack uses is free."""
     for offset in range(2000, 9000, 137):
         ports = [50051 + offset + i for i in range(20)] + [9451 + offset + i for i in range(20)]
+        ports.append(OPENAI_HTTP_PORT + offset)
         if all(port_free(p) for p in ports):
             return offset
     raise RuntimeError("no free port range for the stack")
@@ -198,6 +198,22 @@ def test_cli_and_sdk_return_the_engines_tokens(stack: RunningStack, tiny_llama_d
     assert result.finish_reason in ("stop", "length")
 
 
+def test_the_openai_door_returns_the_engines_tokens(
+    stack: RunningStack, tiny_llama_dir: Path
+) -> None:
+    door = f"http://127.0.0.1:{OPENAI_HTTP_PORT + stack.offset}/v1"
+    assert door in "".join(stack.output), "kvmesh up prints the door's address"
+    client = openai.OpenAI(base_url=door, api_key="local", max_retries=0)
+    other = "Continuous batching refills"
+    reply = client.completions.create(
+        model=TIER, prompt=other, max_tokens=MAX_TOKENS, temperature=0, logprobs=0
+    )
+    assert reply.choices[0].logprobs is not None and reply.choices[0].logprobs.tokens
+    ids = [int(name.removeprefix("token_id:")) for name in reply.choices[0].logprobs.tokens]
+    assert ids == expected_tokens(tiny_llama_dir, other)
+    assert reply.model == TIER
+
+
 def test_metrics_move_by_the_right_amounts(stack: RunningStack) -> None:
     gateway_url = stack.metrics_url(GATEWAY_METRICS_PORT + stack.offset)
     decode_url = stack.metrics_url(stack.worker_metrics_port(1))
@@ -327,63 +343,12 @@ def test_draining_a_worker_lets_its_in_flight_requests_finish(stack: RunningStac
     )
 
 
-def readme_grpcurl_commands() -> list[list[str]]:
-    """The grpcurl commands README.md shows, each split as a shell would."""
-    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    block = readme.split("<!-- grpcurl -->", 1)[1].split("<!-- /grpcurl -->", 1)[0]
-    return [shlex.split(line) for line in block.splitlines() if line.startswith("grpcurl ")]
-
-
-def run_like_grpcurl(command: list[str], gateway: str) -> list[Message]:
-    """What grpcurl does with `command`, done through server reflection: list services,
-    describe one, or invoke a method with a JSON request. Returns the messages received
-    (a list or describe answers with the descriptor it found)."""
-    data = command[command.index("-d") + 1] if "-d" in command else None
-    positional = [word for word in command[1:] if not word.startswith("-") and word != data]
-    address, action = positional[0].replace("127.0.0.1:50051", gateway), positional[1:]
-    with grpc.insecure_channel(address) as channel:
-        database = ProtoReflectionDescriptorDatabase(channel)
-        pool = descriptor_pool.DescriptorPool(database)
-        if action == ["list"]:
-            return [descriptor_pb2.ServiceDescriptorProto(name=n) for n in database.get_services()]
-        if action[0] == "describe":
-            found = descriptor_pb2.ServiceDescriptorProto()
-            pool.FindServiceByName(action[1]).CopyToProto(found)
-            return [found]
-        service, method_name = action[0].rsplit("/", 1)
-        method = pool.FindServiceByName(service).methods_by_name[method_name]
-        request_class = message_factory.GetMessageClass(method.input_type)
-        request = json_format.Parse(data or "{}", request_class())
-        reply_class = message_factory.GetMessageClass(method.output_type)
-        path = f"/{service}/{method_name}"
-        serializers = {
-            "request_serializer": type(request).SerializeToString,
-            "response_deserializer": reply_class.FromString,
-        }
-        if method.client_streaming:
-            call = channel.stream_stream(path, **serializers)
-            return list(call(iter([request]), timeout=60))
-        return [channel.unary_unary(path, **serializers)(request, timeout=60)]
-
-
-def test_the_readme_grpcurl_commands_work_as_written(stack: RunningStack) -> None:
-    commands = readme_grpcurl_commands()
-    assert len(commands) == 4
-    listed, described, models, generated = (run_like_grpcurl(c, stack.gateway) for c in commands)
-    assert "kvmesh.v1.Gateway" in {getattr(service, "name", "") for service in listed}
-    assert isinstance(described[0], descriptor_pb2.ServiceDescriptorProto)
-    assert "Generate" in {method.name for method in described[0].method}
-    assert TIER in json_format.MessageToJson(models[0])
-    events = [json_format.MessageToDict(event) for event in generated]
-    assert "started" in events[0] and "finished" in events[-1], events
-    assert events[-1]["finished"]["usage"]["completionTokens"] == 8
-
-
 def test_ctrl_c_stops_every_process(stack: RunningStack) -> None:
     children = subprocess.run(
         ["ps", "-o", "pid=", "--ppid", str(stack.proc.pid)], capture_output=True, text=True
     ).stdout.split()
-    assert len(children) == 5  # cache, prefill-0, decode-0, router, gateway (decode-1 drained)
+    # cache, prefill-0, decode-0, router, gateway, openai (decode-1 drained)
+    assert len(children) == 6
     assert (stack.state_dir / "control.sock").exists()
     stack.reader.kill()  # Ctrl-C on `kvmesh up | tee log` ends tee first
     stack.reader.wait()

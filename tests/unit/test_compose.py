@@ -120,20 +120,16 @@ def test_same_module_flags_and_ports(compose: dict[str, Any], service: StackServ
     spec = compose[service.name]
     assert spec["command"] == expected_command(service)
     assert spec["expose"] == [str(service.port), str(service.metrics_port)]
-    assert spec["healthcheck"]["test"] == [
-        "CMD",
-        "python",
-        "-m",
-        "kvmesh.healthcheck",
-        f"127.0.0.1:{service.port}",
-    ]
+    assert spec["healthcheck"]["test"] == ["CMD", *service.healthcheck()]
     assert spec["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == OTLP_ENDPOINT
 
 
-def test_gateway_is_published_on_its_port(compose: dict[str, Any]) -> None:
+def test_gateway_and_openai_door_are_published_on_their_ports(compose: dict[str, Any]) -> None:
     gateway = next(service for service in PLAN if service.name == "gateway")
     port = COMPOSE_OPTIONS.gateway_port
     assert compose[gateway.name]["ports"] == [f"127.0.0.1:{port}:{gateway.port}"]
+    door = next(service for service in PLAN if service.http)
+    assert compose[door.name]["ports"] == [f"127.0.0.1:{COMPOSE_OPTIONS.http_port}:{door.port}"]
 
 
 def test_config_files_are_mounted_where_the_flags_point(compose: dict[str, Any]) -> None:
@@ -166,6 +162,7 @@ def test_dependencies_wait_for_health(compose: dict[str, Any]) -> None:
             assert rule == {"condition": wanted}, f"{name} -> {target}"
     assert set(compose["gateway"]["depends_on"]) >= {"redis", "cache", "router"}
     assert set(compose["cache"]["depends_on"]) >= {"redis"}
+    assert set(compose["openai"]["depends_on"]) >= {"gateway"}
 
 
 @pytest.mark.parametrize("worker", WORKERS, ids=lambda s: s.name)

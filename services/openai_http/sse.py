@@ -1,0 +1,171 @@
+"""Server-Sent Events exactly as OpenAI sends them.
+
+Chat: per choice a first chunk with the role, then content deltas, then a chunk with the
+finish reason; then, when `stream_options.include_usage` asked for it, one chunk with empty
+choices and the usage; `data: [DONE]` last. Completions: the same without the role chunk. An
+error after the stream began is one `data: {"error": ...}` event, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from kvmesh.client import GenerationResult
+from services.openai_http import schemas, translation
+from services.openai_http.generation import Event, Generation
+from services.openai_http.translation import Plan
+
+DONE = b"data: [DONE]\n\n"
+
+_NO_EXTRAS = {"kvmesh": True, "choices": {"__all__": {"kvmesh_finish_reason"}}}
+"""Content chunks carry neither kvmesh's reason nor its info object (both only at the end)."""
+
+
+def frame(payload: BaseModel, exclude: Any = None) -> bytes:
+    """One SSE event holding a JSON body."""
+    return b"data: " + payload.model_dump_json(exclude=exclude).encode() + b"\n\n"
+
+
+class StreamTranslator:
+    """Turns one plan's events into the chunks OpenAI would have sent."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+        self._id = ""
+        self._models: dict[int, str] = {}
+        self._results: dict[int, GenerationResult] = {}
+        self._content_exclude: dict[str, Any] = dict(_NO_EXTRAS)
+        self._final_exclude: dict[str, Any] = {}
+        if not plan.include_usage:
+            self._content_exclude["usage"] = True
+            self._final_exclude["usage"] = True
+
+    def frames(self, event: Event) -> list[bytes]:
+        """The SSE events for one gateway event (none for some)."""
+        if event.error is not None:
+            return [frame(translation.http_error(event.error, self._plan).body)]
+        if event.started is not None:
+            self._id = self._id or translation.response_id(self._plan, event.started.request_id)
+            self._models[event.choice] = event.started.model
+            if self._plan.kind == "chat":
+                return [self._chat(event.choice, schemas.Delta(role="assistant", content=""))]
+            return []
+        if event.chunk is not None:
+            chunk = event.chunk
+            if not chunk.text and not chunk.logprobs:
+                return []
+            if self._plan.kind == "chat":
+                logprobs = (
+                    translation.chat_logprobs(chunk.logprobs) if self._plan.logprobs else None
+                )
+                return [self._chat(event.choice, schemas.Delta(content=chunk.text), logprobs)]
+            return [self._completion_text(event)]
+        assert event.result is not None
+        self._results[event.choice] = event.result
+        return [self._finish(event.choice, event.result)]
+
+    def usage_frame(self) -> bytes:
+        """The last chunk before [DONE], when the request asked for usage."""
+        results = [self._results[i] for i in sorted(self._results)]
+        usage = translation.usage(self._plan, results)
+        info = translation.kvmesh_info(self._plan, results)
+        common: dict[str, Any] = {
+            "id": self._id,
+            "created": self._plan.created,
+            "model": results[0].model,
+        }
+        body: BaseModel
+        if self._plan.kind == "chat":
+            body = schemas.ChatCompletionChunk(**common, choices=[], usage=usage, kvmesh=info)
+        else:
+            body = schemas.CompletionChunk(**common, choices=[], usage=usage, kvmesh=info)
+        return frame(body)
+
+    def _chat(
+        self, choice: int, delta: schemas.Delta, logprobs: schemas.ChatLogprobs | None = None
+    ) -> bytes:
+        body = schemas.ChatCompletionChunk(
+            id=self._id,
+            created=self._plan.created,
+            model=self._models[choice],
+            choices=[schemas.ChatChunkChoice(index=choice, delta=delta, logprobs=logprobs)],
+        )
+        return frame(body, self._content_exclude)
+
+    def _completion_text(self, event: Event) -> bytes:
+        assert event.chunk is not None
+        logprobs = None
+        if self._plan.logprobs:
+            logprobs = translation.completion_logprobs(event.chunk.logprobs, [])
+        body = schemas.CompletionChunk(
+            id=self._id,
+            created=self._plan.created,
+            model=self._models[event.choice],
+            choices=[
+                schemas.CompletionChunkChoice(
+                    index=event.choice, text=event.chunk.text, logprobs=logprobs
+                )
+            ],
+        )
+        return frame(body, self._content_exclude)
+
+    def _finish(self, choice: int, result: GenerationResult) -> bytes:
+        reason = translation.finish_reason(result.finish_reason)
+        info = translation.kvmesh_info(self._plan, [result])
+        common: dict[str, Any] = {
+            "id": self._id,
+            "created": self._plan.created,
+            "model": result.model,
+        }
+        body: BaseModel
+        if self._plan.kind == "chat":
+            body = schemas.ChatCompletionChunk(
+                **common,
+                choices=[
+                    schemas.ChatChunkChoice(
+                        index=choice,
+                        delta=schemas.Delta(),
+                        finish_reason=reason,
+                        kvmesh_finish_reason=result.finish_reason,
+                    )
+                ],
+                kvmesh=info,
+            )
+        else:
+            body = schemas.CompletionChunk(
+                **common,
+                choices=[
+                    schemas.CompletionChunkChoice(
+                        index=choice,
+                        text="",
+                        finish_reason=reason,
+                        kvmesh_finish_reason=result.finish_reason,
+                    )
+                ],
+                kvmesh=info,
+            )
+        return frame(body, self._final_exclude)
+
+
+async def event_stream(
+    plan: Plan, generation: Generation, events: AsyncIterator[Event], first: Event
+) -> AsyncIterator[bytes]:
+    """The whole SSE body, from the first event on; leaving early (the client went away)
+    cancels every call."""
+    translator = StreamTranslator(plan)
+    try:
+        for data in translator.frames(first):
+            yield data
+        failed = False
+        async for event in events:
+            for data in translator.frames(event):
+                yield data
+            failed = event.error is not None
+        if plan.include_usage and not failed:
+            yield translator.usage_frame()
+        yield DONE
+    finally:
+        await generation.aclose()
