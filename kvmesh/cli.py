@@ -201,7 +201,19 @@ async def _stream_to(
     if result.finish_reason not in ("stop", "length") and echo:
         note = f" ({result.error_message})" if result.error_message else ""
         out.write(f"\n[finished: {result.finish_reason}{note}]")
+    warn_if_cut_short(result, sys.stderr)
     return result
+
+
+def warn_if_cut_short(result: GenerationResult, err: TextIO) -> None:
+    """A DEADLINE finish is a normal end on the wire (status OK, the tokens so far), so the
+    CLI says on stderr that the answer is incomplete, whatever --json prints."""
+    if result.finish_reason == "deadline":
+        tokens = len(result.token_ids)
+        print(
+            f"kvmesh: warning: the deadline passed after {tokens} tokens; the answer is cut short",
+            file=err,
+        )
 
 
 # --- chat ---------------------------------------------------------------------------------

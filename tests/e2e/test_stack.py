@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -24,8 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from google.protobuf.message import Message
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvmesh
@@ -341,6 +348,58 @@ def test_draining_a_worker_lets_its_in_flight_requests_finish(stack: RunningStac
     assert any(str(FIRST_WORKER_PORT + stack.offset + 2) in r.placement_reason for r in results), (
         "no request ran on the drained worker"
     )
+
+
+def readme_grpcurl_commands() -> list[list[str]]:
+    """The grpcurl commands README.md shows, each split as a shell would."""
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("<!-- grpcurl -->", 1)[1].split("<!-- /grpcurl -->", 1)[0]
+    return [shlex.split(line) for line in block.splitlines() if line.startswith("grpcurl ")]
+
+
+def run_like_grpcurl(command: list[str], gateway: str) -> list[Message]:
+    """What grpcurl does with `command`, done through server reflection: list services,
+    describe one, or invoke a method with a JSON request. Returns the messages received
+    (a list or describe answers with the descriptor it found)."""
+    data = command[command.index("-d") + 1] if "-d" in command else None
+    positional = [word for word in command[1:] if not word.startswith("-") and word != data]
+    address, action = positional[0].replace("127.0.0.1:50051", gateway), positional[1:]
+    with grpc.insecure_channel(address) as channel:
+        database = ProtoReflectionDescriptorDatabase(channel)
+        pool = descriptor_pool.DescriptorPool(database)
+        if action == ["list"]:
+            return [descriptor_pb2.ServiceDescriptorProto(name=n) for n in database.get_services()]
+        if action[0] == "describe":
+            found = descriptor_pb2.ServiceDescriptorProto()
+            pool.FindServiceByName(action[1]).CopyToProto(found)
+            return [found]
+        service, method_name = action[0].rsplit("/", 1)
+        method = pool.FindServiceByName(service).methods_by_name[method_name]
+        request_class = message_factory.GetMessageClass(method.input_type)
+        request = json_format.Parse(data or "{}", request_class())
+        reply_class = message_factory.GetMessageClass(method.output_type)
+        path = f"/{service}/{method_name}"
+        serializers = {
+            "request_serializer": type(request).SerializeToString,
+            "response_deserializer": reply_class.FromString,
+        }
+        if method.client_streaming:
+            call = channel.stream_stream(path, **serializers)
+            return list(call(iter([request]), timeout=60))
+        return [channel.unary_unary(path, **serializers)(request, timeout=60)]
+
+
+def test_the_readme_grpcurl_commands_work_as_written(stack: RunningStack) -> None:
+    commands = readme_grpcurl_commands()
+    assert len(commands) == 4
+    listed, described, models, generated = (run_like_grpcurl(c, stack.gateway) for c in commands)
+    assert "kvmesh.v1.Gateway" in {getattr(service, "name", "") for service in listed}
+    assert isinstance(described[0], descriptor_pb2.ServiceDescriptorProto)
+    assert "Generate" in {method.name for method in described[0].method}
+    assert TIER in json_format.MessageToJson(models[0])
+    events = [json_format.MessageToDict(event) for event in generated]
+    assert "started" in events[0] and "finished" in events[-1], events
+    assert events[-1]["finished"]["usage"]["completionTokens"] == 8
 
 
 def test_ctrl_c_stops_every_process(stack: RunningStack) -> None:

@@ -12,8 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cli import build_parser, describe_error, main, read_prompt
-from kvmesh.client import build_request, resolve_api_key, resolve_target
+from kvmesh.cli import build_parser, describe_error, main, read_prompt, warn_if_cut_short
+from kvmesh.client import (
+    GenerationResult,
+    UsageInfo,
+    build_request,
+    resolve_api_key,
+    resolve_target,
+)
 from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.stack import StackOptions
 from kvmesh.up import try_command
@@ -163,3 +169,13 @@ def test_services_name_themselves_in_their_usage(service: str) -> None:
     assert result.returncode == 0
     assert result.stdout.startswith(f"usage: python -m services.{service} ")
     assert "; default " in result.stdout
+
+
+@pytest.mark.parametrize(("reason", "warned"), [("deadline", True), ("stop", False)])
+def test_a_deadline_finish_is_surfaced_on_stderr(reason: str, warned: bool) -> None:
+    result = GenerationResult("Paris", [1, 2, 3], reason, "tiny", "r1", UsageInfo())
+    err = io.StringIO()
+    warn_if_cut_short(result, err)
+    expected = "kvmesh: warning: the deadline passed after 3 tokens; the answer is cut short\n"
+    assert err.getvalue() == (expected if warned else "")
+    assert result.to_json()["finish_reason"] == reason  # --json carries it as is

@@ -85,6 +85,11 @@ def build(name: str) -> Path:
     target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
+        logger.info(
+            "compiling the %s kernel for this CPU (once per machine, a few seconds; cached in %s)",
+            name,
+            target.parent,
+        )
         # Compiled beside the target, then renamed: processes starting together never load a
         # half-written library.
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
