@@ -16,6 +16,7 @@ typed errors of `kvmesh.errors`, carrying the gRPC status and, where the server 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Generator, Mapping, Sequence
@@ -300,7 +301,10 @@ class GenerationStream:
                 return Chunk(event.chunk.text, tuple(event.chunk.token_ids), logprobs)
             elif kind == "finished":
                 self._progress.finished = event.finished
-                # Wait for the call's status, so closing the stream now cancels nothing.
+                # Half-closed (the gateway waits for that, or a Cancel, before it ends the
+                # call); then the call's status, so closing the stream now cancels nothing.
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    await call.done_writing()
                 await call.read()
             return None
         except grpc.aio.AioRpcError as error:

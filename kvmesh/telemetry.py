@@ -14,8 +14,9 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
@@ -23,6 +24,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 TRACE_FILE_ENV = "KVMESH_TRACE_FILE"
 """Environment variable naming a JSON-lines file that receives every finished span."""
@@ -96,3 +99,27 @@ def setup_tracing(
 def tracer(name: str) -> trace.Tracer:
     """The tracer for a kvmesh module."""
     return trace.get_tracer(name)
+
+
+async def in_span(span: trace.Span, events: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`events`, each step advanced with `span` current (spans started meanwhile are its
+    children); ends the span with the stream.
+
+    The span is current for one step at a time, never across a yield: a stream closed from
+    another context (gRPC finalizing the handler of a cancelled call) would otherwise detach a
+    context attached in this one, which OpenTelemetry logs as "Failed to detach context" at
+    ERROR with a traceback."""
+    try:
+        while True:
+            with trace.use_span(span, end_on_exit=False):
+                try:
+                    event = await anext(events)
+                except StopAsyncIteration:
+                    return
+            yield event
+    finally:
+        closer = getattr(events, "aclose", None)
+        if closer is not None:
+            with trace.use_span(span, end_on_exit=False):
+                await closer()
+        span.end()

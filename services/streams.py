@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Message = TypeVar("Message")
 
+END_OF_STREAM_GRACE_S = 1.0
+"""Longest wait, after the last event, for a caller that neither half-closes nor cancels."""
+
 
 async def first_message(messages: AsyncIterator[Message], what: str) -> Message:
     """The stream's first message; InvalidArgument when the caller sent none."""
@@ -67,6 +70,14 @@ class CancelWatch(Generic[Message]):
             trace.get_current_span().add_event("kvmesh.cancel", {"kvmesh.reason": self.reason})
             self.cancelled.set()
             return
+
+    async def caller_done(self, timeout_s: float = END_OF_STREAM_GRACE_S) -> None:
+        """After the answer's last event: waits (at most `timeout_s`) until the caller
+        half-closes or sends its Cancel. A Cancel racing the end of the stream then reaches a
+        call still open: grpc aio turns a write to a call whose status has arrived into
+        INTERNAL on the writer's side, losing the answer (grpc/grpc#36066)."""
+        if self._task is not None and not self._task.done():
+            await asyncio.wait({self._task}, timeout=timeout_s)
 
     async def close(self) -> None:
         """Stops reading; safe to call more than once."""

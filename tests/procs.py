@@ -17,6 +17,16 @@ from kvmesh.grpc_server import READY_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+STARTED: list[ServiceProcess] = []
+"""Every service started in this test session, for the scan of their logs at its end."""
+
+_ALARMS = (" ERROR ", " CRITICAL ", "Traceback (most recent call last)")
+
+
+def alarming_lines(output: str) -> list[str]:
+    """The ERROR/CRITICAL log lines and tracebacks in a service's output."""
+    return [line for line in output.splitlines() if any(a in line for a in _ALARMS)]
+
 
 @dataclass
 class ServiceProcess:
@@ -93,7 +103,7 @@ def start_service(
         raise RuntimeError(f"{module} did not become ready:\n{''.join(output)}")
     info = ready[0]
     metrics = info.get("metrics_port")
-    return ServiceProcess(
+    started = ServiceProcess(
         name=module,
         proc=proc,
         address=str(info["address"]),
@@ -101,3 +111,5 @@ def start_service(
         metrics_port=int(str(metrics)) if metrics is not None else None,
         output=output,
     )
+    STARTED.append(started)
+    return started

@@ -80,6 +80,8 @@ class RouterStream:
         self._cancel_grace_s = cancel_grace_s
         self._cut_timer: asyncio.TimerHandle | None = None
         self._cut = False
+        self._finished = False
+        """The router's Finished arrived: the answer is whole, a cancel is too late."""
 
     async def _messages(self) -> AsyncIterator[router_pb2.RouteMessage]:
         # Stays open after the request (closing our side would not mean "cancel" to the
@@ -91,9 +93,14 @@ class RouterStream:
         """The router's events; ends early (without Finished) when the call was cut."""
         try:
             async for event in self._call:
+                if event.HasField("finished"):
+                    self._finished = True
+                    self._outbox.put_nowait(None)  # half-closes: the router ends the call now
                 yield event
         except grpc.aio.AioRpcError as error:
-            if self._cut and error.code() == grpc.StatusCode.CANCELLED:
+            if self._finished or (self._cut and error.code() == grpc.StatusCode.CANCELLED):
+                # After Finished nothing is missing (a Cancel written as the router ended the
+                # call can fail the call's last step with INTERNAL: it is already done).
                 return
             raise error_from_rpc(error) from None
         except asyncio.CancelledError:
@@ -106,7 +113,7 @@ class RouterStream:
 
     def cancel(self, reason: str) -> None:
         """Asks the router to abort; cuts the call if it has not ended after the grace time."""
-        if self._cut_timer is not None or self._call.done():
+        if self._finished or self._cut_timer is not None or self._call.done():
             return
         self._outbox.put_nowait(router_pb2.RouteMessage(cancel=common_pb2.Cancel(reason=reason)))
         self._cut_timer = asyncio.get_running_loop().call_later(self._cancel_grace_s, self.cut)

@@ -99,6 +99,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 tenant, request, watch.cancelled, context.time_remaining()
             ):
                 yield event
+            await watch.caller_done()
         finally:
             await watch.close()
 

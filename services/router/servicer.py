@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from kvmesh.errors import InvalidArgument
-from kvmesh.telemetry import tracer
+from kvmesh.telemetry import in_span, tracer
 from kvmesh.v1 import common_pb2, gateway_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.router.monitor import WorkerMonitor
 from services.router.orchestrator import Orchestrator
@@ -63,20 +63,22 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # RPC itself stops the downstream calls.
         live: set[Coalescer[common_pb2.GenerateEvent]] = set()
         context.add_done_callback(lambda _: self._spawn(_close_all(live)))
-        with _tracer.start_as_current_span("router.generate") as span:
-            span.set_attributes(
-                {
-                    "gen_ai.request.model": request.model,
-                    "kvmesh.request_id": request.request_id,
-                    "kvmesh.tenant": request.tenant,
-                }
-            )
-            try:
-                async for event in self.orchestrator.run(request, deadline, watch.cancelled, live):
-                    yield event
-            finally:
-                await watch.close()
-                await _close_all(live)
+        span = _tracer.start_span(
+            "router.generate",
+            attributes={
+                "gen_ai.request.model": request.model,
+                "kvmesh.request_id": request.request_id,
+                "kvmesh.tenant": request.tenant,
+            },
+        )
+        events = self.orchestrator.run(request, deadline, watch.cancelled, live)
+        try:
+            async for event in in_span(span, events):
+                yield event
+            await watch.caller_done()
+        finally:
+            await watch.close()
+            await _close_all(live)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)

@@ -609,6 +609,70 @@ async def test_closing_the_stream_early_cancels_every_hop(mesh: Mesh) -> None:
         await asyncio.sleep(0.05)
 
 
+async def cancel_near_the_end(
+    stub: gateway_pb2_grpc.GatewayStub, api_key: str, delay_s: float
+) -> tuple[grpc.StatusCode, list[common_pb2.GenerateEvent]]:
+    """One short request with a Cancel written `delay_s` after it: the call's status and events."""
+    call = stub.Generate(metadata=(("authorization", f"Bearer {api_key}"),), timeout=30)
+    request = gateway_pb2.GenerateRequest(
+        prompt=common_pb2.Prompt(text=LONG_PROMPT),
+        sampling=common_pb2.SamplingParams(max_tokens=4, ignore_eos=True),
+        cache_policy=common_pb2.CACHE_POLICY_BYPASS,
+    )
+    await call.write(gateway_pb2.GenerateClientMessage(request=request))
+    events: list[common_pb2.GenerateEvent] = []
+
+    async def read() -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for event in call:
+                events.append(event)
+
+    reader = asyncio.ensure_future(read())
+    await asyncio.sleep(delay_s)
+    cancel = gateway_pb2.GenerateClientMessage(cancel=common_pb2.Cancel(reason="late"))
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        await call.write(cancel)
+    await reader
+    return await call.code(), events
+
+
+async def test_a_cancel_racing_the_end_of_the_stream_is_already_done(mesh: Mesh) -> None:
+    """300 Cancels written around the moment the stream ends (raw, and through the SDK): each
+    call ends OK with every chunk produced and its Finished, never INTERNAL."""
+    rng = random.Random(7)
+    async with mesh.client() as alice:
+        started = time.monotonic()
+        await alice.generate(LONG_PROMPT, max_tokens=4, ignore_eos=True, cache_policy="bypass")
+        took = time.monotonic() - started
+        async with grpc.aio.insecure_channel(mesh.gateway.address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            for _ in range(30):
+                ended = await asyncio.gather(
+                    *(
+                        cancel_near_the_end(stub, mesh.keys["alice"], rng.uniform(0, 1.5 * took))
+                        for _ in range(10)
+                    )
+                )
+                for code, events in ended:
+                    assert code == grpc.StatusCode.OK, code
+                    kinds = [event.WhichOneof("event") for event in events]
+                    assert kinds[0] == "started" and kinds[-1] == "finished", kinds
+                    finished = events[-1].finished
+                    chunks = sum(len(e.chunk.token_ids) for e in events if e.HasField("chunk"))
+                    assert finished.usage.completion_tokens == chunks
+                    assert finished.finish_reason in (
+                        common_pb2.FINISH_REASON_ABORT,
+                        common_pb2.FINISH_REASON_LENGTH,
+                    ), finished
+        for index in range(300):
+            stream = alice.stream(LONG_PROMPT, max_tokens=2, ignore_eos=True, cache_policy="bypass")
+            if index % 2:
+                await anext(stream)
+            result = await stream.cancel()
+            assert result.finish_reason in ("abort", "length")
+            assert result.usage.completion_tokens == len(result.token_ids)
+
+
 def test_the_sync_client_cancels_when_its_iterator_is_closed(mesh: Mesh) -> None:
     with kvmesh.SyncClient(mesh.gateway.address, api_key=mesh.keys["alice"]) as client:
         chunks = client.stream(LONG_PROMPT, max_tokens=480, ignore_eos=True, cache_policy="bypass")
