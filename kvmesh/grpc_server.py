@@ -186,11 +186,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         )
 
 
-def port_in_use_message(host: str, port: int) -> str:
-    return f"cannot listen on {host}:{port}: the port is in use (choose another with --port)"
+def port_in_use_message(host: str, port: int, flag: str) -> str:
+    return f"cannot listen on {host}:{port}: the port is in use (choose another with {flag})"
 
 
-def ensure_port_free(host: str, port: int) -> None:
+def ensure_port_free(host: str, port: int, flag: str) -> None:
     """OSError naming the port when something already listens there. Checked before grpc
     binds, because grpc's own failure is a RuntimeError plus a C-core log line."""
     if port == 0:
@@ -203,7 +203,7 @@ def ensure_port_free(host: str, port: int) -> None:
             probe.bind((host.strip("[]"), port))
         except OSError as error:
             if error.errno == errno.EADDRINUSE:
-                raise OSError(port_in_use_message(host, port)) from None
+                raise OSError(port_in_use_message(host, port, flag)) from None
             raise
 
 
@@ -230,6 +230,10 @@ class GrpcServer:
 
     async def start(self) -> int:
         """Binds, starts serving and marks every service SERVING; returns the gRPC port."""
+        # Both ports are checked before a server exists: a failed start leaves nothing behind.
+        ensure_port_free(self.config.host, self.config.port, "--port")
+        if self.config.metrics_port > 0:
+            ensure_port_free(self.config.host, self.config.metrics_port, "--metrics-port")
         server = grpc.aio.server(
             interceptors=[TracingInterceptor(), ErrorInterceptor()],
             options=[
@@ -245,21 +249,33 @@ class GrpcServer:
         enable_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server
         )
-        ensure_port_free(self.config.host, self.config.port)
         try:
             self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         except RuntimeError:  # grpc's "Failed to bind": lost a race for the port
             self.port = 0
         if self.port == 0:
-            raise OSError(port_in_use_message(self.config.host, self.config.port))
+            await server.stop(0)
+            raise OSError(port_in_use_message(self.config.host, self.config.port, "--port"))
         await server.start()
         self._server = server
         for name in ["", *names]:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.config.metrics_port >= 0:
-            http, _ = start_http_server(self.config.metrics_port, addr=self.config.host)
-            self.metrics_port = http.server_port
+            self.metrics_port = await self._start_metrics(server)
         return self.port
+
+    async def _start_metrics(self, server: grpc.aio.Server) -> int:
+        """The Prometheus endpoint's port; a failure stops the gRPC server it belongs to."""
+        try:
+            http, _ = start_http_server(self.config.metrics_port, addr=self.config.host)
+        except OSError as error:
+            await server.stop(0)
+            if error.errno != errno.EADDRINUSE:
+                raise
+            where = (self.config.host, self.config.metrics_port, "--metrics-port")
+            raise OSError(port_in_use_message(*where)) from None
+        port: int = http.server_port
+        return port
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first, a short pause for load balancers, then stop(grace) and the hooks."""

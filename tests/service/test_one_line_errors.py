@@ -89,11 +89,13 @@ def test_router_without_a_pools_file(tmp_path: Path) -> None:
     assert line.startswith("router: error: cannot read pools file pools.yaml")
 
 
-def test_service_on_a_port_in_use(listening_port: int) -> None:
-    line = run_mistake([sys.executable, "-m", "services.cache", "--port", str(listening_port)])
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_service_on_a_port_in_use(flag: str, listening_port: int) -> None:
+    command = [sys.executable, "-m", "services.cache", "--port", "0", flag, str(listening_port)]
+    line = run_mistake(command)
     assert line == (
         f"cache: error: cannot listen on 127.0.0.1:{listening_port}: the port is in use "
-        "(choose another with --port)"
+        f"(choose another with {flag})"
     )
 
 
