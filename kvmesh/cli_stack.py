@@ -272,12 +272,16 @@ def scale_delta(text: str) -> int:
 
 def cmd_scale(args: argparse.Namespace) -> int:
     delta: int = args.delta
-    reply = asyncio.run(
-        call_control(
-            socket_path(state_dir_of(args)), {"op": "scale", "pool": args.pool, "delta": delta}
-        )
-    )
+    request = {"op": "scale", "pool": args.pool, "delta": delta}
     console = Console()
+    # A new worker loads its model before it serves (seconds to minutes): say so meanwhile.
+    doing = (
+        f"starting {delta} {args.pool} worker(s): loading the model"
+        if delta > 0
+        else (f"draining {-delta} {args.pool} worker(s): their in-flight requests finish first")
+    )
+    with console.status(doing):
+        reply = asyncio.run(call_control(socket_path(state_dir_of(args)), request))
     if not reply.get("ok"):
         console.print(f"[bold red]scale failed:[/] {reply.get('error')}")
         return 1
