@@ -1,4 +1,5 @@
-"""Outgoing gRPC channels: one place that sets message limits and trace propagation."""
+"""Outgoing gRPC channels: one place that sets message limits, trace propagation and the
+caller's mesh identity."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 from opentelemetry import propagate
 
 from kvmesh.grpc_server import MAX_MESSAGE_BYTES
+from kvmesh.mesh_auth import MeshMember
 
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -21,76 +23,101 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
-def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    """The call's details with the current W3C trace context (traceparent, tracestate) added."""
+Metadata = tuple[tuple[str, str], ...]
+
+
+def _with_metadata(
+    details: grpc.aio.ClientCallDetails, traced: bool, fixed: Metadata
+) -> grpc.aio.ClientCallDetails:
+    """The call's details with `fixed` entries and (when traced) the current W3C trace
+    context (traceparent, tracestate) added."""
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    if not carrier:
+    if traced:
+        propagate.inject(carrier)
+    if not carrier and not fixed:
         return details
     metadata = grpc.aio.Metadata(*(details.metadata or ()))
-    for key, value in carrier.items():
+    for key, value in (*fixed, *carrier.items()):
         metadata.add(key, value)
     return details._replace(metadata=metadata)
 
 
-class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+class _Interceptor:
+    def __init__(self, traced: bool, fixed: Metadata) -> None:
+        self._traced = traced
+        self._fixed = fixed
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return _with_metadata(details, self._traced, self._fixed)
+
+
+class _UnaryUnary(_Interceptor, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self,
         continuation: Callable[[grpc.aio.ClientCallDetails, Any], Awaitable[Any]],
         client_call_details: grpc.aio.ClientCallDetails,
         request: Any,
     ) -> Any:
-        return await continuation(_with_trace_context(client_call_details), request)
+        return await continuation(self._details(client_call_details), request)
 
 
-class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+class _UnaryStream(_Interceptor, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self,
         continuation: Callable[[grpc.aio.ClientCallDetails, Any], Awaitable[Any]],
         client_call_details: grpc.aio.ClientCallDetails,
         request: Any,
     ) -> Any:
-        return await continuation(_with_trace_context(client_call_details), request)
+        return await continuation(self._details(client_call_details), request)
 
 
-class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+class _StreamUnary(_Interceptor, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self,
         continuation: Callable[[grpc.aio.ClientCallDetails, Any], Awaitable[Any]],
         client_call_details: grpc.aio.ClientCallDetails,
         request_iterator: AsyncIterable[Any],
     ) -> Any:
-        return await continuation(_with_trace_context(client_call_details), request_iterator)
+        return await continuation(self._details(client_call_details), request_iterator)
 
 
-class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
+class _StreamStream(_Interceptor, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(
         self,
         continuation: Callable[[grpc.aio.ClientCallDetails, Any], Awaitable[Any]],
         client_call_details: grpc.aio.ClientCallDetails,
         request_iterator: AsyncIterable[Any],
     ) -> Any:
-        return await continuation(_with_trace_context(client_call_details), request_iterator)
+        return await continuation(self._details(client_call_details), request_iterator)
 
 
-def trace_context_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """Interceptors that carry the caller's trace context in every call's metadata and record
-    no span: the callee's server span becomes a child of the span the call was made in.
+def call_interceptors(traced: bool, fixed: Metadata = ()) -> list[grpc.aio.ClientInterceptor]:
+    """Interceptors that add `fixed` entries (the caller's mesh identity) to every call's
+    metadata and, when traced, the caller's trace context, recording no span: the callee's
+    server span becomes a child of the span the call was made in.
 
     OpenTelemetry's client interceptors also recorded a client span per call and wrapped each
     streamed message: 0.1-0.35 ms more per call, on every hop of a request's first token,
     for a span the server's already covers. (grpc.aio files each interceptor under the first
     call kind it implements, hence one per kind.)"""
-    return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
+    if not traced and not fixed:
+        return []
+    return [
+        kind(traced, fixed) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)
+    ]
 
 
-def insecure_channel(address: str, traced: bool = True) -> grpc.aio.Channel:
-    """An asyncio channel to another kvmesh service that carries the W3C traceparent.
+def insecure_channel(
+    address: str, traced: bool = True, member: MeshMember | None = None
+) -> grpc.aio.Channel:
+    """An asyncio channel to another kvmesh service that carries the W3C traceparent and,
+    given `member`, the caller's mesh identity.
 
     Background polling (health checks, Stats refreshes) passes traced=False: it belongs to
     no request, and a trace per poll would bury the requests' traces."""
+    fixed = member.call_metadata() if member is not None else ()
     return grpc.aio.insecure_channel(
         address,
         options=CHANNEL_OPTIONS,
-        interceptors=trace_context_interceptors() if traced else None,
+        interceptors=call_interceptors(traced, fixed) or None,
     )

@@ -43,6 +43,11 @@ class ServerConfig:
     """Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled."""
     log_level: str = "INFO"
     """Python logging level."""
+    mesh_secret: str = ""
+    """The stack's shared secret (`kvmesh up` and compose generate one): signs KV leases and
+    KV bytes and, without TLS, proves every internal call's caller. Pass it in the
+    environment, not as a flag (other users can read a process's flags). Empty: no secret,
+    so anyone who reaches a port can sign."""
 
 
 def field_docs(cls: type) -> dict[str, str]:

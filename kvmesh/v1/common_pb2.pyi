@@ -787,6 +787,7 @@ class KvLease(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     EXPIRES_UNIX_MS_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     """Opaque id that names the lease on its worker."""
     worker_address: _builtins.str
@@ -797,6 +798,10 @@ class KvLease(_message.Message):
     """Fingerprint (hash of config + weights) of the model that computed the blocks."""
     expires_unix_ms: _builtins.int
     """Unix time in milliseconds after which the worker frees the blocks."""
+    signature: _builtins.bytes
+    """HMAC-SHA256 of every other field under the stack's lease key, made by the granting
+    worker: a decode worker dials worker_address only when it verifies.
+    """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Chained prefix-cache hashes of the leased blocks, in order."""
@@ -815,10 +820,11 @@ class KvLease(_message.Message):
         model_fingerprint: _builtins.str = ...,
         layout: Global___KvLayout | None = ...,
         expires_unix_ms: _builtins.int = ...,
+        signature: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "expires_unix_ms", b"expires_unix_ms", "layout", b"layout", "lease_id", b"lease_id", "model_fingerprint", b"model_fingerprint", "num_tokens", b"num_tokens", "worker_address", b"worker_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "expires_unix_ms", b"expires_unix_ms", "layout", b"layout", "lease_id", b"lease_id", "model_fingerprint", b"model_fingerprint", "num_tokens", b"num_tokens", "signature", b"signature", "worker_address", b"worker_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -836,6 +842,7 @@ class KvChunk(_message.Message):
     BLOCK_BYTES_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
     CRC32C_FIELD_NUMBER: _builtins.int
+    BLOCK_DIGEST_FIELD_NUMBER: _builtins.int
     block_index: _builtins.int
     """Index of the block within the lease."""
     block_hash: _builtins.bytes
@@ -848,6 +855,10 @@ class KvChunk(_message.Message):
     """The bytes of this piece."""
     crc32c: _builtins.int
     """CRC32C of data."""
+    block_digest: _builtins.bytes
+    """HMAC-SHA256 under the stack's KV key of the lease id, block index, block hash and the
+    whole block's bytes, made by the exporting worker; checked before the block is written.
+    """
     def __init__(
         self,
         *,
@@ -857,10 +868,11 @@ class KvChunk(_message.Message):
         block_bytes: _builtins.int = ...,
         data: _builtins.bytes = ...,
         crc32c: _builtins.int = ...,
+        block_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_hash", b"block_hash", "block_index", b"block_index", "crc32c", b"crc32c", "data", b"data", "offset", b"offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "block_digest", b"block_digest", "block_hash", b"block_hash", "block_index", b"block_index", "crc32c", b"crc32c", "data", b"data", "offset", b"offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

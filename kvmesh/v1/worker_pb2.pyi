@@ -90,8 +90,15 @@ class PrefillRequest(_message.Message):
 
     REQUEST_FIELD_NUMBER: _builtins.int
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
+    PULLER_FIELD_NUMBER: _builtins.int
     lease_ttl_ms: _builtins.int
-    """Lease time-to-live in milliseconds; 0 takes the worker's default (30 s)."""
+    """Lease time-to-live in milliseconds; 0, or more than the worker's lease TTL (30 s by
+    default), takes the worker's: a caller may only shorten it.
+    """
+    puller: _builtins.str
+    """Mesh name of the decode worker that will pull the lease (the address it advertises).
+    Only it and this call's caller may pull or release the lease; empty: only the caller.
+    """
     @_builtins.property
     def request(self) -> _common_pb2.InferenceRequest:
         """The request."""
@@ -101,10 +108,11 @@ class PrefillRequest(_message.Message):
         *,
         request: _common_pb2.InferenceRequest | None = ...,
         lease_ttl_ms: _builtins.int = ...,
+        puller: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_ms", b"lease_ttl_ms", "request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_ms", b"lease_ttl_ms", "puller", b"puller", "request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -166,7 +174,7 @@ class PullKvRequest(_message.Message):
     """The puller's model fingerprint; must equal the lease's."""
     @_builtins.property
     def block_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Indices of the blocks wanted (within the lease); empty means all."""
+        """Indices of the blocks wanted (within the lease, each at most once); empty means all."""
 
     @_builtins.property
     def layout(self) -> _common_pb2.KvLayout:

@@ -6,27 +6,25 @@ reports that as INVALID_ARGUMENT on the whole request.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jinja2
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.request_limits import (
+    MAX_ID_CHARS,
+    MAX_MODEL_CHARS,
+    MAX_OUTPUT_TOKENS,
+    MAX_STOP_STRINGS,
+    check_labels,
+    check_sampling,
+)
 from kvmesh.v1 import common_pb2, gateway_pb2
 from services.admission.catalog import ModelSpec, TokenizerLike
 from services.admission.tenants import PriorityClass
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 MAX_CHAT_MESSAGES = 512
-MAX_STOP_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
-MAX_LOGPROBS = 20
-MAX_TEMPERATURE = 10.0
-MAX_LABELS = 32
-MAX_LABEL_KEY_CHARS = 64
-MAX_LABEL_VALUE_CHARS = 256
-MAX_ID_CHARS = 128
-MAX_MODEL_CHARS = 128
 
 _PRIORITIES = {
     common_pb2.PRIORITY_UNSPECIFIED: None,
@@ -37,11 +35,17 @@ _PRIORITIES = {
 
 @dataclass(slots=True, frozen=True)
 class RequestLimits:
-    """Gateway-wide bounds on a request."""
+    """Gateway-wide bounds on a request, within the mesh's (kvmesh/request_limits.py)."""
 
     default_max_tokens: int = 256
     max_tokens_limit: int = 4096
     max_stop_strings: int = 8
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_tokens_limit <= MAX_OUTPUT_TOKENS:
+            raise ValueError(f"max_tokens_limit must be in [1, {MAX_OUTPUT_TOKENS}]")
+        if not 0 <= self.max_stop_strings <= MAX_STOP_STRINGS:
+            raise ValueError(f"max_stop_strings must be in [0, {MAX_STOP_STRINGS}]")
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,15 +63,7 @@ def check_envelope(request: gateway_pb2.GenerateRequest) -> Envelope:
     _check_short_text(request.request_id, "request_id", MAX_ID_CHARS)
     _check_short_text(request.idempotency_key, "idempotency_key", MAX_ID_CHARS * 2)
     _check_short_text(request.model, "model", MAX_MODEL_CHARS)
-    if len(request.labels) > MAX_LABELS:
-        raise InvalidArgument("labels", f"at most {MAX_LABELS} labels")
-    for key, value in request.labels.items():
-        if not key or len(key) > MAX_LABEL_KEY_CHARS:
-            raise InvalidArgument("labels", f"keys must be 1-{MAX_LABEL_KEY_CHARS} characters")
-        if len(value) > MAX_LABEL_VALUE_CHARS:
-            raise InvalidArgument(
-                f"labels[{key}]", f"values must be at most {MAX_LABEL_VALUE_CHARS} characters"
-            )
+    check_labels(request.labels)
     if request.priority not in _PRIORITIES:
         raise InvalidArgument("priority", f"unknown priority {request.priority}")
     if request.cache_policy not in common_pb2.CachePolicy.values():
@@ -168,37 +164,13 @@ def checked_sampling(
             )
     else:
         checked.max_tokens = min(limits.default_max_tokens, room)
-    if sampling.HasField("temperature") and not (
-        math.isfinite(sampling.temperature) and 0.0 <= sampling.temperature <= MAX_TEMPERATURE
-    ):
-        raise InvalidArgument("sampling.temperature", f"must be between 0 and {MAX_TEMPERATURE}")
-    if sampling.HasField("top_p") and not (
-        math.isfinite(sampling.top_p) and 0.0 < sampling.top_p <= 1.0
-    ):
-        raise InvalidArgument("sampling.top_p", "must be in (0, 1]")
     if sampling.top_k > vocab_size:
         raise InvalidArgument("sampling.top_k", f"must be at most the vocabulary size {vocab_size}")
-    if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
-        raise InvalidArgument("sampling.logprobs", f"at most {MAX_LOGPROBS}")
-    _check_stops(sampling, vocab_size, limits)
-    return checked
-
-
-def _check_stops(
-    sampling: common_pb2.SamplingParams, vocab_size: int, limits: RequestLimits
-) -> None:
-    if len(sampling.stop) > limits.max_stop_strings:
-        raise InvalidArgument("sampling.stop", f"at most {limits.max_stop_strings} stop strings")
-    for index, stop in enumerate(sampling.stop):
-        if not 1 <= len(stop) <= MAX_STOP_CHARS:
-            raise InvalidArgument(
-                f"sampling.stop[{index}]", f"stop strings must be 1-{MAX_STOP_CHARS} characters"
-            )
-    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidArgument("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids")
+    check_sampling(sampling, limits.max_stop_strings)
     for index, token in enumerate(sampling.stop_token_ids):
         if token >= vocab_size:
             raise InvalidArgument(
                 f"sampling.stop_token_ids[{index}]",
                 f"token id {token} is outside the vocabulary (size {vocab_size})",
             )
+    return checked

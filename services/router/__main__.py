@@ -15,6 +15,8 @@ from kvmesh.grpc_server import (
     run_service_main,
     serve,
 )
+from kvmesh.mesh_auth import ROUTER_MEMBER_NAME, MeshMember, MeshRole
+from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.monitor import WorkerMonitor
@@ -55,7 +57,9 @@ def build_router(config: RouterConfig) -> Router:
     """A router over the pools file the config names, not yet started."""
     config.validate()
     registry = PoolRegistry(load_pools(config.config))
-    peers = Peers()
+    peers = Peers(
+        MeshMember(MeshRole.ROUTER, ROUTER_MEMBER_NAME, MeshKeys.from_secret(config.mesh_secret))
+    )
     scaling = ScalingPolicy(
         target_throughput_utilization=config.scale_target_utilization,
         warm_buffer=config.scale_warm_buffer,

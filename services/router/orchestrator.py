@@ -368,7 +368,9 @@ class Orchestrator:
         prefill_address, decode_address = plan.prefill.address, plan.decode.address
         prefill = asyncio.ensure_future(
             self.peers.worker(prefill_address).Prefill(
-                worker_pb2.PrefillRequest(request=request, lease_ttl_ms=self.lease_ttl_ms),
+                worker_pb2.PrefillRequest(
+                    request=request, lease_ttl_ms=self.lease_ttl_ms, puller=decode_address
+                ),
                 timeout=_time_left(deadline),
             )
         )

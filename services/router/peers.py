@@ -12,19 +12,24 @@ import grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from kvmesh.channels import insecure_channel
+from kvmesh.mesh_auth import MeshMember
 from kvmesh.v1 import worker_pb2_grpc
 
 
 @dataclass(slots=True)
 class Peers:
-    """Channels to the workers, opened on first use and kept (gRPC reconnects by itself)."""
+    """Channels to the workers, opened on first use and kept (gRPC reconnects by itself);
+    every call carries the router's mesh identity."""
 
+    member: MeshMember
     _channels: dict[tuple[str, bool], grpc.aio.Channel] = field(default_factory=dict)
 
     def _channel(self, address: str, traced: bool) -> grpc.aio.Channel:
         channel = self._channels.get((address, traced))
         if channel is None:
-            channel = self._channels[address, traced] = insecure_channel(address, traced)
+            channel = self._channels[address, traced] = insecure_channel(
+                address, traced, self.member
+            )
         return channel
 
     def worker(self, address: str, traced: bool = True) -> worker_pb2_grpc.WorkerStub:

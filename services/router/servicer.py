@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.request_limits import check_inference_request
 from kvmesh.telemetry import in_span, tracer
 from kvmesh.v1 import common_pb2, gateway_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.router.monitor import WorkerMonitor
@@ -55,6 +56,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if first.WhichOneof("message") != "request":
             raise InvalidArgument("request", "the first message must be the request")
         request = first.request
+        check_inference_request(request)  # a caller may have skipped the gateway's checks
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         watch = CancelWatch(request_iterator, _cancel_reason, request.request_id)

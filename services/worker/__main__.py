@@ -16,6 +16,7 @@ from kvmesh.grpc_server import (
     run_service_main,
     serve,
 )
+from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.backends import EngineBackend, create_engine
 from services.worker.config import WorkerConfig
@@ -74,11 +75,15 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
     engine = engine or create_engine(
         config.engine, engine_config(config), kv_wire_format=config.kv_wire_format
     )
-    leases = LeaseTable(default_ttl_s=config.lease_ttl_s)
+    leases = LeaseTable(ttl_s=config.lease_ttl_s)
     # The lease names this worker's address, known only once the server has bound its port.
     servers: list[GrpcServer] = []
     servicer = WorkerServicer(
-        engine, config, leases, lambda: config.advertise_address or servers[0].address
+        engine,
+        config,
+        leases,
+        lambda: config.advertise_address or servers[0].address,
+        MeshKeys.from_secret(config.mesh_secret),
     )
     sweeper = LeaseSweeper(
         leases, servicer.expire_lease, config.lease_sweep_interval_s, servicer.refresh_gauges

@@ -45,7 +45,8 @@ class WorkerConfig(ServerConfig):
     num_threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
     lease_ttl_s: float = 30.0
-    """Default time a KV lease holds its blocks when nobody pulls or releases it."""
+    """Time a KV lease holds its blocks when nobody pulls or releases it; a Prefill's caller
+    may ask for a shorter one, never a longer one."""
     lease_sweep_interval_s: float = 0.25
     """How often expired leases are looked for (and the gauges refreshed)."""
     advertise_address: str = ""

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.request_limits import check_inference_request
 from kvmesh.v1 import common_pb2
 from services.worker.engine.request import (
     EngineRequest,
@@ -62,7 +63,9 @@ def sampling_params(proto: common_pb2.SamplingParams) -> SamplingParams:
 def engine_request(
     proto: common_pb2.InferenceRequest, time_remaining: float | None
 ) -> EngineRequest:
-    """The engine's request; `time_remaining` is the RPC's (None: no deadline)."""
+    """The engine's request, once `proto` is within the mesh's bounds; `time_remaining` is
+    the RPC's (None: no deadline)."""
+    check_inference_request(proto)
     if not proto.prompt_token_ids:
         raise InvalidArgument("prompt_token_ids", "must not be empty")
     deadline = None

@@ -1,15 +1,17 @@
 """KV blocks on the wire: checksummed chunks out of a prefill worker, verified blocks into a decode.
 
 A block's bytes are cut into KvChunk messages of at most `MAX_CHUNK_BYTES` (under the gRPC
-message limit), each carrying the CRC32C (Castagnoli) of its data. The decode side reassembles
-each block from its pieces, in order, and refuses anything that does not add up: a wrong
-checksum, a piece out of place, a block that is not the one expected. Refusals raise DataLoss so
-the caller can drop the half-imported request.
+message limit), each carrying the CRC32C (Castagnoli) of its data and the keyed digest that
+binds the whole block to its lease (mesh_keys.py). The decode side reassembles each block from
+its pieces, in order, and refuses anything that does not add up: a wrong checksum, a piece out
+of place, a block that is not the one expected, a block whose digest does not verify. Refusals
+raise DataLoss so the caller can drop the half-imported request before anything is committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import google_crc32c
 
 from kvmesh.errors import DataLoss, FailedPrecondition
+from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import common_pb2
 
 MAX_CHUNK_BYTES = 1 << 20
@@ -29,9 +32,14 @@ def crc32c(data: bytes) -> int:
 
 
 def chunk_block(
-    block_index: int, block_hash: bytes, data: bytes, max_chunk_bytes: int = MAX_CHUNK_BYTES
+    block_index: int,
+    block_hash: bytes,
+    data: bytes,
+    digest: bytes,
+    max_chunk_bytes: int = MAX_CHUNK_BYTES,
 ) -> Iterator[common_pb2.KvChunk]:
-    """The chunks of one block, in offset order, each at most `max_chunk_bytes` of data."""
+    """The chunks of one block, in offset order, each at most `max_chunk_bytes` of data and
+    each carrying the block's keyed `digest`."""
     if max_chunk_bytes <= 0:
         raise ValueError("max_chunk_bytes must be positive")
     for offset, piece in _pieces(data, max_chunk_bytes):
@@ -42,6 +50,7 @@ def chunk_block(
             block_bytes=len(data),
             data=piece,
             crc32c=crc32c(piece),
+            block_digest=digest,
         )
 
 
@@ -96,11 +105,13 @@ class BlockAssembler:
     """Rebuilds the expected blocks from a stream of chunks, verifying every piece.
 
     `expected` maps each block index to pull onto its hash; `block_bytes` is the size every
-    block must have under the puller's layout.
+    block must have under the puller's layout; `keys` and `lease_id` check each block's digest.
     """
 
     expected: Mapping[int, bytes]
     block_bytes: int
+    keys: MeshKeys
+    lease_id: str
     _partial: dict[int, _PartialBlock] = field(default_factory=dict)
     _done: set[int] = field(default_factory=set)
     bytes_received: int = 0
@@ -134,16 +145,22 @@ class BlockAssembler:
         self.bytes_received += len(data)
         if partial is None and len(data) == self.block_bytes:
             # The whole block in one chunk (the usual case): no reassembly copies.
-            self._done.add(index)
-            return index, data
+            return self._complete(index, data, chunk.block_digest)
         if partial is None:
             partial = self._partial[index] = _PartialBlock(chunk.block_hash)
         partial.data += data
         if len(partial.data) < self.block_bytes:
             return None
         del self._partial[index]
+        return self._complete(index, bytes(partial.data), chunk.block_digest)
+
+    def _complete(self, index: int, data: bytes, digest: bytes) -> tuple[int, bytes]:
+        """The finished block, once its digest shows it was exported for this lease."""
+        expected = self.keys.block_digest(self.lease_id, index, self.expected[index], data)
+        if not hmac.compare_digest(expected, digest):
+            raise DataLoss(f"KV block {index}: its digest does not bind it to this lease")
         self._done.add(index)
-        return index, bytes(partial.data)
+        return index, data
 
     def missing(self) -> list[int]:
         """Indices of the expected blocks not yet complete, in order."""

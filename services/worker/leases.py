@@ -1,6 +1,9 @@
 """KV leases: a prefill worker holds a request's blocks until they are pulled, released or expire.
 
-`LeaseTable` is the bookkeeping (ids, TTLs, expiry) and knows nothing of the engine;
+`LeaseTable` is the bookkeeping (ids, TTLs, expiry, who may use a lease) and knows nothing of
+the engine. The TTL is the worker's: a caller may ask for a shorter one, never a longer one, so
+nobody pins blocks for longer than the worker allows. A lease is used (pulled, released) only
+by the mesh members it was granted for;
 `LeaseSweeper` runs in the background and hands every expired lease to a release callback, so
 blocks nobody pulls or releases go back to the pool.
 """
@@ -15,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from kvmesh.errors import NotFound
+from kvmesh.errors import NotFound, PermissionDenied
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +42,17 @@ class Lease:
     """Monotonic time after which the lease is void."""
     expires_unix_ms: int
     """The same instant as Unix milliseconds, for the wire."""
+    holders: frozenset[str]
+    """Mesh names of the members that may pull or release it (the caller that asked for it
+    and the puller it named)."""
 
 
 @dataclass(slots=True)
 class LeaseTable:
     """Active leases by id, with their expiry times."""
 
-    default_ttl_s: float
+    ttl_s: float
+    """The TTL of every lease, and the longest a caller may ask for."""
     clock: Clock = time.monotonic
     wall_clock: Clock = time.time
     _leases: dict[str, Lease] = field(default_factory=dict)
@@ -55,10 +62,12 @@ class LeaseTable:
         handle_id: str,
         block_hashes: list[bytes],
         num_tokens: int,
+        holders: frozenset[str],
         ttl_s: float | None = None,
     ) -> Lease:
-        """A new lease on a handle, valid for `ttl_s` (the default TTL when None or 0)."""
-        ttl = ttl_s if ttl_s else self.default_ttl_s
+        """A new lease on a handle for `holders`, valid for `ttl_s` when that is shorter than
+        the table's TTL (the table's TTL when None or 0)."""
+        ttl = min(ttl_s, self.ttl_s) if ttl_s else self.ttl_s
         lease = Lease(
             lease_id=secrets.token_hex(16),
             handle_id=handle_id,
@@ -66,22 +75,32 @@ class LeaseTable:
             num_tokens=num_tokens,
             expires_at=self.clock() + ttl,
             expires_unix_ms=int((self.wall_clock() + ttl) * 1000),
+            holders=holders,
         )
         self._leases[lease.lease_id] = lease
         return lease
 
-    def get(self, lease_id: str) -> Lease:
-        """The live lease; NotFound when unknown, released or past its expiry."""
+    def get(self, lease_id: str, caller: str) -> Lease:
+        """The live lease, used by `caller` (a mesh name); NotFound when unknown, released or
+        past its expiry, PermissionDenied when it was not granted for `caller`."""
         lease = self._leases.get(lease_id)
         if lease is None or lease.expires_at <= self.clock():
             raise NotFound(f"KV lease {lease_id!r} is unknown or has expired")
+        if caller not in lease.holders:
+            raise PermissionDenied(
+                f"KV lease {lease_id!r} was not granted for {caller or 'an anonymous caller'!r}"
+            )
         return lease
 
-    def take(self, lease_id: str) -> Lease:
-        """Removes and returns the live lease (to release it); NotFound as `get`."""
-        lease = self.get(lease_id)
+    def take(self, lease_id: str, caller: str) -> Lease:
+        """Removes and returns the live lease (to release it); errors as `get`."""
+        lease = self.get(lease_id, caller)
         del self._leases[lease_id]
         return lease
+
+    def drop(self, lease_id: str) -> Lease | None:
+        """Removes and returns the lease whatever its holders (the worker's own clean-up)."""
+        return self._leases.pop(lease_id, None)
 
     def take_expired(self) -> list[Lease]:
         """Removes and returns every lease past its expiry."""

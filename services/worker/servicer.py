@@ -7,6 +7,11 @@ sampled, sent once the missing KV is imported, so it tells the router the hand-o
 Every path that takes KV blocks gives them back: a finished or aborted request frees its
 blocks in the engine; a Cancel message or a broken stream closes the engine's output iterator,
 which aborts; a failed import is cancelled; an unpulled lease expires.
+
+A worker defends itself even against a mesh member gone wrong: a lease lives at most the
+worker's TTL and serves only the members it was granted for; a pull names each block once and
+is read a few blocks at a time; a decode dials only the address of a lease this stack signed
+and writes only blocks whose keyed digest binds them to that lease (mesh_keys.py).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +34,12 @@ from kvmesh.errors import (
     InvalidArgument,
     KvmeshError,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     Unavailable,
 )
+from kvmesh.mesh_auth import MeshMember, MeshRole, caller_of
+from kvmesh.mesh_keys import MeshKeys
 from kvmesh.rpc_status import error_from_rpc
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -54,6 +62,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
+
+PULL_READ_BYTES = 8 << 20
+"""Most KV bytes a PullKv reads out of the engine at once (at least one block): a pull of any
+size holds this much, not the whole lease."""
 
 _ROLES = {
     "prefill": worker_pb2.WORKER_ROLE_PREFILL,
@@ -114,10 +126,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         config: WorkerConfig,
         leases: LeaseTable,
         address: Callable[[], str],
+        keys: MeshKeys,
     ) -> None:
         self.engine = engine
         self.config = config
         self.leases = leases
+        self.keys = keys
         self._address = address
         self.layout = layout_proto(engine.layout)
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -170,7 +184,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._count_finished("Prefill", output.finish_reason)
             return response
         ttl_s = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
-        lease = self.leases.grant(handle.handle_id, handle.block_hashes, handle.num_tokens, ttl_s)
+        holders = {self._caller(context)} | ({request.puller} if request.puller else set())
+        lease = self.leases.grant(
+            handle.handle_id, handle.block_hashes, handle.num_tokens, frozenset(holders), ttl_s
+        )
         metrics.LEASES.labels("granted").inc()
         metrics.LEASES_ACTIVE.set(len(self.leases))
         response.lease.CopyFrom(self._lease_proto(lease))
@@ -181,12 +198,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """A lease whose Prefill response never reached the caller is released at once."""
         if not context.cancelled():
             return
-        with contextlib.suppress(NotFound):
-            self._spawn(self.release_lease(self.leases.take(lease.lease_id)))
+        if self.leases.drop(lease.lease_id) is not None:
+            self._spawn(self.release_lease(lease))
             metrics.LEASES.labels("released").inc()
 
     def _lease_proto(self, lease: Lease) -> common_pb2.KvLease:
-        return common_pb2.KvLease(
+        proto = common_pb2.KvLease(
             lease_id=lease.lease_id,
             worker_address=self._address(),
             block_hashes=lease.block_hashes,
@@ -195,41 +212,46 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             layout=self.layout,
             expires_unix_ms=lease.expires_unix_ms,
         )
+        proto.signature = self.keys.sign_lease(proto)
+        return proto
 
     async def PullKv(
         self, request: worker_pb2.PullKvRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvChunk]:
         self._require(self.config.serves_prefill, "PullKv", "prefill or both")
-        lease = self.leases.get(request.lease_id)
+        lease = self.leases.get(request.lease_id, self._caller(context))
         check_compatible(
             self.engine.fingerprint, self.layout, request.model_fingerprint, request.layout
         )
-        count = len(lease.block_hashes)
-        indices = list(request.block_indices) or list(range(count))
-        bad = [i for i in indices if i >= count]
-        if bad:
-            raise InvalidArgument("block_indices", f"{bad} out of range for a {count}-block lease")
-        # Read off the engine thread (held blocks do not change), so a pull does not wait for
-        # the engine's current step; one read for every block keeps the thread hops few.
-        try:
-            blobs = await self.engine.export_blocks(lease.handle_id, indices)
-        except KeyError:
-            raise NotFound(f"KV lease {request.lease_id!r} expired during the pull") from None
+        indices = _pull_indices(request.block_indices, len(lease.block_hashes))
         pacer = Pacer(self.config.kv_send_max_mb_s * 1e6)
-        for index, data in zip(indices, blobs, strict=True):
-            metrics.KV_TRANSFER_BYTES.labels("sent").inc(len(data))
-            metrics.KV_TRANSFER_BLOCKS.labels("sent").inc()
-            for chunk in chunk_block(
-                index, lease.block_hashes[index], data, self.config.kv_chunk_bytes
-            ):
-                yield chunk
-                await pacer.sent(len(chunk.data))
+        # Read off the engine thread (held blocks do not change), so a pull does not wait for
+        # the engine's current step; a few blocks per read keep the thread hops few and the
+        # bytes held at once bounded, whatever the pull's size.
+        per_read = max(1, PULL_READ_BYTES // max(1, self.engine.layout.block_bytes))
+        for start in range(0, len(indices), per_read):
+            group = indices[start : start + per_read]
+            try:
+                blobs = await self.engine.export_blocks(lease.handle_id, group)
+            except KeyError:
+                raise NotFound(f"KV lease {request.lease_id!r} expired during the pull") from None
+            for index, data in zip(group, blobs, strict=True):
+                metrics.KV_TRANSFER_BYTES.labels("sent").inc(len(data))
+                metrics.KV_TRANSFER_BLOCKS.labels("sent").inc()
+                block_hash = lease.block_hashes[index]
+                digest = self.keys.block_digest(lease.lease_id, index, block_hash, data)
+                for chunk in chunk_block(
+                    index, block_hash, data, digest, self.config.kv_chunk_bytes
+                ):
+                    yield chunk
+                    await pacer.sent(len(chunk.data))
+            del blobs
 
     async def ReleaseKv(
         self, request: worker_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseKvResponse:
         self._require(self.config.serves_prefill, "ReleaseKv", "prefill or both")
-        lease = self.leases.take(request.lease_id)
+        lease = self.leases.take(request.lease_id, self._caller(context))
         released = await self.release_lease(lease)
         metrics.LEASES.labels("released").inc()
         return worker_pb2.ReleaseKvResponse(blocks_released=released)
@@ -266,6 +288,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         check_compatible(
             self.engine.fingerprint, self.layout, lease.model_fingerprint, lease.layout
         )
+        if not self.keys.lease_is_signed(lease):
+            # Nothing is dialled for a lease this stack did not sign: its address is a
+            # caller's word, and its blocks would reach the prefix cache.
+            raise PermissionDenied(
+                "lease: the signature does not verify (not granted by a worker of this stack)"
+            )
         state = self._track(request, context)
         watch = CancelWatch(request_iterator, _cancel_reason, request.request_id)
         watch.start()
@@ -322,7 +350,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return 0
         started = time.monotonic()
         assembler = BlockAssembler(
-            {i: lease.block_hashes[i] for i in missing}, self.engine.layout.block_bytes
+            {i: lease.block_hashes[i] for i in missing},
+            self.engine.layout.block_bytes,
+            self.keys,
+            lease.lease_id,
         )
         stub = worker_pb2_grpc.WorkerStub(self._channel(lease.worker_address))
         call = stub.PullKv(
@@ -372,8 +403,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = insecure_channel(address)
+            member = MeshMember(MeshRole.WORKER, self._address(), self.keys)
+            channel = self._channels[address] = insecure_channel(address, member=member)
         return channel
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> str:
+        """The mesh name of the call's verified caller ("" when it proves none)."""
+        return caller_of(context, self.keys).name
 
     # ---- streaming ------------------------------------------------------------------------
 
@@ -532,6 +568,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise FailedPrecondition(
                 f"{rpc} needs a worker of role {roles}; this one is {self.config.role!r}"
             )
+
+
+def _pull_indices(requested: Sequence[int], count: int) -> list[int]:
+    """The blocks a PullKv asks for (all when none are named), each named once and in range."""
+    if not requested:
+        return list(range(count))
+    indices = list(requested)
+    if len(set(indices)) != len(indices):
+        raise InvalidArgument("block_indices", "each block may be asked for once")
+    out_of_range = [i for i in indices if i >= count]
+    if out_of_range:
+        shown = out_of_range[:8]
+        raise InvalidArgument(
+            "block_indices",
+            f"{len(out_of_range)} out of range for a {count}-block lease (e.g. {shown})",
+        )
+    return indices
 
 
 @contextlib.contextmanager

@@ -345,4 +345,18 @@ async def test_bad_requests_are_rejected(mesh: Mesh) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await route(mesh.stub, request("bad", prompt, model=model))
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (model, len(prompt))
+    # The mesh's bounds hold at the router too, for a caller that skipped the gateway.
+    many_stops = common_pb2.SamplingParams(max_tokens=4, stop=["x"] * 30_000)
+    many_labels = {f"k{i}": "v" for i in range(100_000)}
+    for bad, field in (
+        (request("stops", LONG, many_stops, model="tiny"), "sampling.stop"),
+        (request("labels", LONG, model="tiny", labels=many_labels), "labels"),
+        (request("x" * 1000, LONG, model="tiny"), "request_id"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await route(mesh.stub, bad)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = raised.value.details() or ""
+        assert details.startswith(field), details
+        assert not any(w.address in details for w in mesh.workers.values())  # the router's own
     assert await all_idle([w.stub for w in mesh.workers.values()])

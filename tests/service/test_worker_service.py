@@ -11,10 +11,7 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from kvmesh.config import load_config
-from kvmesh.grpc_server import GrpcServer, ServiceBinding
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker.config import WorkerConfig
 from services.worker.engine.async_engine import AsyncEngine
 from tests.service.worker_mesh import (
     GREEDY,
@@ -27,6 +24,7 @@ from tests.service.worker_mesh import (
     decode_start,
     disaggregated,
     offline,
+    prefill_request,
     request,
     start_worker,
     wait_until,
@@ -67,7 +65,7 @@ async def test_split_equals_colocated_equals_offline(
     for index, prompt in enumerate(PROMPTS):
         alone = await colocated(trio.both.stub, request(f"c{index}", prompt, sampling))
         split = await disaggregated(
-            trio.prefill.stub, trio.decode.stub, request(f"s{index}", prompt, sampling)
+            trio.prefill, trio.decode, request(f"s{index}", prompt, sampling)
         )
         assert alone.token_ids == expected[index]
         assert split.token_ids == expected[index]
@@ -93,10 +91,10 @@ async def test_decode_pulls_only_the_blocks_it_lacks(trio: Trio) -> None:
     first = request("a", [*shared, *range(10, 20)])  # 58 tokens: 3 full blocks + 1 partial
     second = request("b", [*shared, *range(200, 221)])  # 69 tokens: 4 full + 1 partial
     before = _transfer("received"), _transfer("sent")
-    await disaggregated(trio.prefill.stub, trio.decode.stub, first)
+    await disaggregated(trio.prefill, trio.decode, first)
     after_first = _transfer("received"), _transfer("sent")
     assert after_first[0][0] - before[0][0] == 4  # nothing cached yet: every block moves
-    await disaggregated(trio.prefill.stub, trio.decode.stub, second)
+    await disaggregated(trio.prefill, trio.decode, second)
     received, sent = _transfer("received"), _transfer("sent")
     # The decode worker holds the shared prefix: only blocks 3 and 4 of the second lease move.
     assert received[0] - after_first[0][0] == 2
@@ -104,53 +102,6 @@ async def test_decode_pulls_only_the_blocks_it_lacks(trio: Trio) -> None:
     assert sent[0] - after_first[1][0] == 2
     assert sent[1] - after_first[1][1] == 2 * BLOCK_BYTES
     assert await all_idle(trio.stubs)
-
-
-class CorruptingPeer(worker_pb2_grpc.WorkerServicer):
-    """Relays PullKv from a real prefill worker, flipping one bit of the first chunk."""
-
-    def __init__(self, target: str) -> None:
-        self.stub = worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(target))
-
-    async def PullKv(
-        self, request: worker_pb2.PullKvRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[common_pb2.KvChunk]:
-        first = True
-        async for chunk in self.stub.PullKv(request):
-            if first:
-                chunk.data = bytes([chunk.data[0] ^ 1]) + chunk.data[1:]
-                first = False
-            yield chunk
-
-
-async def test_corrupted_chunk_is_data_loss_and_leaves_nothing(trio: Trio) -> None:
-    config = load_config(WorkerConfig, ["--port", "0", "--metrics-port", "-1"])
-    binding = ServiceBinding(
-        "kvmesh.v1.Worker",
-        CorruptingPeer(trio.prefill.address),  # type: ignore[abstract]  # serves PullKv only
-        worker_pb2_grpc.add_WorkerServicer_to_server,
-    )
-    relay = GrpcServer(config, "relay", [binding])
-    await relay.start()
-    try:
-        req = request("bad", PROMPTS[0])
-        prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
-        prefilled.lease.worker_address = relay.address
-        call = trio.decode.stub.Decode(timeout=10)
-        await call.write(decode_start(req, prefilled))
-        with pytest.raises(grpc.aio.AioRpcError) as raised:
-            _ = [event async for event in call]
-        assert raised.value.code() == grpc.StatusCode.DATA_LOSS
-        assert "checksum" in (raised.value.details() or "")
-        # Nothing half-imported stays on the decode worker; the lease is still there to release.
-        assert await all_idle([trio.decode.stub])
-        assert (await trio.prefill.stats()).active_leases == 1
-        await trio.prefill.stub.ReleaseKv(
-            worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id)
-        )
-        assert await all_idle(trio.stubs)
-    finally:
-        await relay.stop(0)
 
 
 async def _decode_error(trio: Trio, message: worker_pb2.DecodeMessage) -> grpc.aio.AioRpcError:
@@ -163,7 +114,7 @@ async def _decode_error(trio: Trio, message: worker_pb2.DecodeMessage) -> grpc.a
 
 async def test_fingerprint_or_layout_mismatch_is_failed_precondition(trio: Trio) -> None:
     req = request("fp", PROMPTS[0])
-    prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    prefilled = await trio.prefill.stub.Prefill(prefill_request(req, trio.decode))
     lease = prefilled.lease
 
     wrong_fingerprint = decode_start(req, prefilled)
@@ -197,9 +148,7 @@ async def test_fingerprint_or_layout_mismatch_is_failed_precondition(trio: Trio)
 
 async def test_expired_lease_is_not_found_everywhere(trio: Trio) -> None:
     req = request("late", PROMPTS[0])
-    prefilled = await trio.prefill.stub.Prefill(
-        worker_pb2.PrefillRequest(request=req, lease_ttl_ms=200)
-    )
+    prefilled = await trio.prefill.stub.Prefill(prefill_request(req, trio.decode, 200))
     lease = prefilled.lease
     await asyncio.sleep(0.4)
     with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -219,7 +168,7 @@ async def test_expired_lease_is_not_found_everywhere(trio: Trio) -> None:
 async def test_a_lease_never_pulled_is_freed_by_its_ttl(trio: Trio) -> None:
     start = await trio.prefill.stats()
     prefilled = await trio.prefill.stub.Prefill(
-        worker_pb2.PrefillRequest(request=request("idle", PROMPTS[0]), lease_ttl_ms=300)
+        prefill_request(request("idle", PROMPTS[0]), trio.decode, 300)
     )
     pinned = start.kv_blocks_free - len(prefilled.lease.block_hashes)
 
@@ -259,7 +208,7 @@ async def test_cancel_and_disconnect_free_the_blocks(trio: Trio) -> None:
     # Split, Cancel message, then split with the caller gone.
     for rid, disconnect in (("d1", False), ("d2", True)):
         req = request(rid, prompt, LONG)
-        prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+        prefilled = await trio.prefill.stub.Prefill(prefill_request(req, trio.decode))
         call = trio.decode.stub.Decode(timeout=30)
         await call.write(decode_start(req, prefilled))
         await _first_chunk(call)
@@ -294,7 +243,7 @@ async def test_stats_and_roles(trio: Trio) -> None:
         _ = [event async for event in generate]
     assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     req = request("d", PROMPTS[0])
-    prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    prefilled = await trio.prefill.stub.Prefill(prefill_request(req, trio.decode))
     decode_on_prefill = trio.prefill.stub.Decode(timeout=5)
     await decode_on_prefill.write(decode_start(req, prefilled))
     with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -322,14 +271,14 @@ async def test_hand_off_completes_while_the_prefill_engine_is_mid_step(
     long chunked prefill in real life, a gated forward here) does not hold up the hand-off."""
     (expected,) = offline(tiny_llama_dir, [PROMPTS[0]], GREEDY)
     req = request("handed", PROMPTS[0])
-    prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    prefilled = await trio.prefill.stub.Prefill(prefill_request(req, trio.decode))
     engine = trio.prefill.worker.engine
     assert isinstance(engine, AsyncEngine)
     gate = Gate()
     runner = engine.engine.runner
     runner.forward = gate.wrap(runner.forward)  # type: ignore[method-assign]
     occupant = asyncio.ensure_future(
-        trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=request("busy", PROMPTS[1])))
+        trio.prefill.stub.Prefill(prefill_request(request("busy", PROMPTS[1]), trio.decode))
     )
     try:
         await gate.wait_entered()

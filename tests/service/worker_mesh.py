@@ -136,18 +136,23 @@ async def colocated(
     return await collect(call)
 
 
+def prefill_request(
+    req: common_pb2.InferenceRequest, puller: InProcessWorker, lease_ttl_ms: int = 0
+) -> worker_pb2.PrefillRequest:
+    """A Prefill whose lease `puller` may pull (as the router names its decode worker)."""
+    return worker_pb2.PrefillRequest(request=req, lease_ttl_ms=lease_ttl_ms, puller=puller.address)
+
+
 async def disaggregated(
-    prefill: worker_pb2_grpc.WorkerStub,
-    decode: worker_pb2_grpc.WorkerStub,
+    prefill: InProcessWorker,
+    decode: InProcessWorker,
     req: common_pb2.InferenceRequest,
     lease_ttl_ms: int = 0,
 ) -> StreamResult:
     """Prefill on one worker, Decode on the other (as the router does)."""
-    prefilled = await prefill.Prefill(
-        worker_pb2.PrefillRequest(request=req, lease_ttl_ms=lease_ttl_ms), timeout=30
-    )
+    prefilled = await prefill.stub.Prefill(prefill_request(req, decode, lease_ttl_ms), timeout=30)
     assert not prefilled.HasField("finished")
-    call = decode.Decode(timeout=30)
+    call = decode.stub.Decode(timeout=30)
     await call.write(decode_start(req, prefilled))
     return await collect(call)
 

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from tests.service.worker_mesh import (
     GREEDY,
@@ -23,6 +24,7 @@ from tests.service.worker_mesh import (
     colocated,
     decode_start,
     disaggregated,
+    prefill_request,
     request,
     start_worker,
     wait_until,
@@ -75,9 +77,7 @@ async def test_vllm_prefill_to_vllm_decode_matches_colocated(mesh: Mesh) -> None
     for index, prompt in enumerate(PROMPTS):
         alone = await colocated(mesh.vllm_both.stub, request(f"c{index}", prompt))
         loaded_before = decode_engine.kv_loaded_tokens
-        split = await disaggregated(
-            mesh.vllm_both.stub, mesh.vllm_decode.stub, request(f"s{index}", prompt)
-        )
+        split = await disaggregated(mesh.vllm_both, mesh.vllm_decode, request(f"s{index}", prompt))
         assert split.token_ids == alone.token_ids
         assert len(split.token_ids) == GREEDY.max_tokens
         assert split.text == alone.text
@@ -91,7 +91,7 @@ async def test_vllm_prefill_to_vllm_decode_matches_colocated(mesh: Mesh) -> None
 
 async def test_native_prefill_to_vllm_decode_is_refused(mesh: Mesh) -> None:
     req = request("mixed", PROMPTS[0])
-    prefilled = await mesh.native_prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    prefilled = await mesh.native_prefill.stub.Prefill(prefill_request(req, mesh.vllm_decode))
     call = mesh.vllm_decode.stub.Decode(timeout=10)
     await call.write(decode_start(req, prefilled))
     with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -106,7 +106,7 @@ async def test_native_prefill_to_vllm_decode_is_refused(mesh: Mesh) -> None:
 
 async def test_a_lease_never_pulled_is_freed_by_its_ttl(mesh: Mesh) -> None:
     prefilled = await mesh.vllm_both.stub.Prefill(
-        worker_pb2.PrefillRequest(request=request("idle", PROMPTS[1]), lease_ttl_ms=300)
+        prefill_request(request("idle", PROMPTS[1]), mesh.vllm_decode, lease_ttl_ms=300)
     )
     assert len(prefilled.lease.block_hashes) == 3
     assert vllm_engine(mesh.vllm_both).num_entries == 1
@@ -119,7 +119,7 @@ async def test_cancelled_streams_leave_nothing_held(mesh: Mesh) -> None:
         worker_pb2.WorkerGenerateMessage(request=request("gen-cancel", PROMPTS[0], LONG))
     )
     prefilled = await mesh.vllm_both.stub.Prefill(
-        worker_pb2.PrefillRequest(request=request("dec-cancel", PROMPTS[1], LONG))
+        prefill_request(request("dec-cancel", PROMPTS[1], LONG), mesh.vllm_decode)
     )
     decode = mesh.vllm_decode.stub.Decode(timeout=30)
     await decode.write(decode_start(request("dec-cancel", PROMPTS[1], LONG), prefilled))
@@ -137,9 +137,11 @@ async def test_cancelled_streams_leave_nothing_held(mesh: Mesh) -> None:
 
 async def test_a_dead_prefill_peer_frees_the_import(mesh: Mesh) -> None:
     req = request("orphan", PROMPTS[1])
-    prefilled = await mesh.vllm_both.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    prefilled = await mesh.vllm_both.stub.Prefill(prefill_request(req, mesh.vllm_decode))
     lease_id = prefilled.lease.lease_id
     prefilled.lease.worker_address = "127.0.0.1:9"  # nothing listens there
+    # Signed as the stack (no mesh secret) would: a lease of a worker that died.
+    prefilled.lease.signature = MeshKeys.from_secret("").sign_lease(prefilled.lease)
     call = mesh.vllm_decode.stub.Decode(timeout=10)
     await call.write(decode_start(req, prefilled))
     with pytest.raises(grpc.aio.AioRpcError) as raised:

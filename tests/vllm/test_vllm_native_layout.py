@@ -76,13 +76,9 @@ async def test_hand_off_both_ways_when_layouts_agree(pair: Pair, tiny_llama32_di
     engine = vllm_engine(pair.vllm)
     for index, prompt in enumerate(FRESH_PROMPTS):
         loaded_before = engine.kv_loaded_tokens
-        into_vllm = await disaggregated(
-            pair.native.stub, pair.vllm.stub, request(f"n{index}", prompt)
-        )
+        into_vllm = await disaggregated(pair.native, pair.vllm, request(f"n{index}", prompt))
         assert engine.kv_loaded_tokens - loaded_before == len(prompt)
-        out_of_vllm = await disaggregated(
-            pair.vllm.stub, pair.native.stub, request(f"v{index}", prompt)
-        )
+        out_of_vllm = await disaggregated(pair.vllm, pair.native, request(f"v{index}", prompt))
         assert into_vllm.token_ids == expected[index]
         assert out_of_vllm.token_ids == expected[index]
     assert await all_idle([pair.vllm.stub, pair.native.stub])

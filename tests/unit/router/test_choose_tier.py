@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.mesh_auth import ROUTER_MEMBER_NAME, MeshMember, MeshRole
+from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import common_pb2
 from services.router.monitor import WorkerMonitor
 from services.router.orchestrator import Orchestrator
@@ -15,7 +17,7 @@ from tests.unit.router.factories import healthy, registry, tier
 
 
 def _orchestrator(pools: PoolRegistry) -> Orchestrator:
-    peers = Peers()
+    peers = Peers(MeshMember(MeshRole.ROUTER, ROUTER_MEMBER_NAME, MeshKeys.from_secret("")))
     return Orchestrator(pools, peers, WorkerMonitor(pools, peers, 1.0, 1.0), load_cost_tokens=64)
 
 

@@ -251,6 +251,8 @@ async def test_a_failure_after_the_hand_off_is_not_resumed() -> None:
         await run(orchestrator(workers))
     assert "completion_tokens=2" in raised.value.message
     assert (len(workers.prefill_requests), len(workers.decode_calls)) == (1, 1)
+    # The lease is granted for the decode worker the router chose: only it may pull it.
+    assert workers.prefill_requests[0].puller == DECODE
     await asyncio.sleep(0.01)
     assert workers.released == []
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from kvmesh.errors import DataLoss, FailedPrecondition
+from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import common_pb2
 from services.worker.kv_transfer import (
     MAX_CHUNK_BYTES,
@@ -16,6 +19,16 @@ from services.worker.kv_transfer import (
 )
 
 HASH = b"h" * 16
+KEYS = MeshKeys.from_secret("test stack")
+LEASE = "lease-1"
+
+
+def _chunks(
+    index: int, data: bytes, max_chunk_bytes: int = MAX_CHUNK_BYTES, lease_id: str = LEASE
+) -> list[common_pb2.KvChunk]:
+    """The chunks an exporting worker of KEYS' stack sends for block `index` of LEASE."""
+    digest = KEYS.block_digest(lease_id, index, HASH, data)
+    return list(chunk_block(index, HASH, data, digest, max_chunk_bytes))
 
 
 def test_crc32c_is_castagnoli() -> None:
@@ -26,7 +39,7 @@ def test_crc32c_is_castagnoli() -> None:
 
 def test_chunks_stay_under_the_limit_and_cover_the_block() -> None:
     data = bytes(range(256)) * (3 * MAX_CHUNK_BYTES // 256 + 7)
-    chunks = list(chunk_block(4, HASH, data))
+    chunks = _chunks(4, data)
     assert len(chunks) == 4
     assert all(len(c.data) <= MAX_CHUNK_BYTES for c in chunks)
     assert [c.offset for c in chunks] == [i * MAX_CHUNK_BYTES for i in range(4)]
@@ -36,13 +49,13 @@ def test_chunks_stay_under_the_limit_and_cover_the_block() -> None:
 
 
 def _assembler(block_bytes: int, *indices: int) -> BlockAssembler:
-    return BlockAssembler({i: HASH for i in indices}, block_bytes)
+    return BlockAssembler({i: HASH for i in indices}, block_bytes, KEYS, LEASE)
 
 
 def test_assembler_rebuilds_blocks_in_pieces() -> None:
     block = bytes(range(100))
     assembler = _assembler(100, 0, 1)
-    pieces = list(chunk_block(1, HASH, block, max_chunk_bytes=30))
+    pieces = _chunks(1, block, max_chunk_bytes=30)
     assert [assembler.add(p) for p in pieces[:-1]] == [None, None, None]
     assert assembler.add(pieces[-1]) == (1, block)
     assert assembler.missing() == [0]
@@ -50,7 +63,7 @@ def test_assembler_rebuilds_blocks_in_pieces() -> None:
 
 
 def test_bad_checksum_is_data_loss() -> None:
-    chunk = next(chunk_block(0, HASH, b"x" * 64))
+    chunk = _chunks(0, b"x" * 64)[0]
     chunk.data = b"y" + chunk.data[1:]
     with pytest.raises(DataLoss, match="checksum"):
         _assembler(64, 0).add(chunk)
@@ -66,16 +79,58 @@ def test_bad_checksum_is_data_loss() -> None:
     ],
 )
 def test_misplaced_pieces_are_data_loss(change: dict[str, object], message: str) -> None:
-    chunk = next(chunk_block(0, HASH, b"x" * 64, max_chunk_bytes=32))
+    chunk = _chunks(0, b"x" * 64, max_chunk_bytes=32)[0]
     for name, value in change.items():
         setattr(chunk, name, value)
     with pytest.raises(DataLoss, match=message):
         _assembler(64, 0).add(chunk)
 
 
+def _forged(chunk: common_pb2.KvChunk, data: bytes) -> common_pb2.KvChunk:
+    """`chunk` carrying other bytes with a matching CRC: only the keyed digest tells."""
+    chunk.data = data
+    chunk.crc32c = crc32c(data)
+    return chunk
+
+
+def _other_stack_chunk() -> common_pb2.KvChunk:
+    data = b"x" * 64
+    digest = MeshKeys.from_secret("another stack").block_digest(LEASE, 0, HASH, data)
+    return next(chunk_block(0, HASH, data, digest))
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda: _forged(_chunks(0, b"x" * 64)[0], b"y" * 64),  # other bytes, CRC fixed
+        lambda: _chunks(0, b"x" * 64, lease_id="another lease")[0],  # another lease's block
+        lambda: _chunks(1, b"x" * 64)[0],  # another index's digest, moved to index 0
+        lambda: _other_stack_chunk(),  # the right fields, signed by another stack's key
+    ],
+    ids=["bytes", "lease", "index", "stack"],
+)
+def test_a_block_not_exported_for_this_lease_is_data_loss(
+    forge: Callable[[], common_pb2.KvChunk],
+) -> None:
+    chunk = forge()
+    chunk.block_index = 0
+    with pytest.raises(DataLoss, match="digest"):
+        _assembler(64, 0).add(chunk)
+
+
+def test_a_block_in_pieces_is_checked_whole() -> None:
+    pieces = _chunks(0, bytes(range(64)), max_chunk_bytes=32)
+    pieces[1] = _forged(pieces[1], b"z" * 32)
+    assembler = _assembler(64, 0)
+    assert assembler.add(pieces[0]) is None
+    with pytest.raises(DataLoss, match="digest"):
+        assembler.add(pieces[1])
+    assert assembler.missing() == [0]
+
+
 def test_a_block_twice_is_data_loss() -> None:
     assembler = _assembler(8, 0)
-    chunk = next(chunk_block(0, HASH, b"x" * 8))
+    chunk = _chunks(0, b"x" * 8)[0]
     assembler.add(chunk)
     with pytest.raises(DataLoss, match="twice"):
         assembler.add(chunk)

@@ -1,4 +1,4 @@
-"""Lease TTL bookkeeping and the sweeper."""
+"""Lease TTL bookkeeping, who may use a lease, and the sweeper."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import asyncio
 
 import pytest
 
-from kvmesh.errors import NotFound
+from kvmesh.errors import NotFound, PermissionDenied
 from services.worker.leases import Lease, LeaseSweeper, LeaseTable
+
+ROUTER = "router"
+PULLER = "127.0.0.1:50062"
+HOLDERS = frozenset({ROUTER, PULLER})
 
 
 class Clock:
@@ -20,53 +24,68 @@ class Clock:
 
 def test_grant_get_take() -> None:
     clock = Clock()
-    table = LeaseTable(default_ttl_s=30.0, clock=clock, wall_clock=lambda: 1000.0)
-    lease = table.grant("h1", [b"a", b"b"], 20)
-    assert table.get(lease.lease_id) is lease
+    table = LeaseTable(ttl_s=30.0, clock=clock, wall_clock=lambda: 1000.0)
+    lease = table.grant("h1", [b"a", b"b"], 20, HOLDERS)
+    assert table.get(lease.lease_id, PULLER) is lease
     assert lease.expires_at == 130.0
     assert lease.expires_unix_ms == 1_030_000
     assert len(lease.lease_id) == 32
-    assert table.take(lease.lease_id) is lease
+    assert table.take(lease.lease_id, ROUTER) is lease
     assert len(table) == 0
     with pytest.raises(NotFound):
-        table.get(lease.lease_id)
+        table.get(lease.lease_id, PULLER)
     with pytest.raises(NotFound):
-        table.take("nope")
+        table.take("nope", ROUTER)
 
 
-def test_explicit_ttl_overrides_default() -> None:
+@pytest.mark.parametrize("stranger", ["", "127.0.0.1:50063", "gateway"])
+def test_a_lease_serves_only_its_holders(stranger: str) -> None:
+    table = LeaseTable(ttl_s=30.0, clock=Clock())
+    lease = table.grant("h1", [b"a"], 3, HOLDERS)
+    with pytest.raises(PermissionDenied, match="not granted"):
+        table.get(lease.lease_id, stranger)
+    with pytest.raises(PermissionDenied, match="not granted"):
+        table.take(lease.lease_id, stranger)
+    assert table.get(lease.lease_id, PULLER) is lease  # a refused take leaves it in place
+    assert table.drop(lease.lease_id) is lease  # the worker's own clean-up needs no holder
+    assert table.drop(lease.lease_id) is None
+
+
+def test_a_caller_may_shorten_the_ttl_never_lengthen_it() -> None:
     clock = Clock()
-    table = LeaseTable(default_ttl_s=30.0, clock=clock)
-    assert table.grant("h", [b"a"], 1, ttl_s=0.5).expires_at == 100.5
-    assert table.grant("h2", [b"a"], 1, ttl_s=0).expires_at == 130.0
+    table = LeaseTable(ttl_s=30.0, clock=clock)
+    assert table.grant("h", [b"a"], 1, HOLDERS, ttl_s=0.5).expires_at == 100.5
+    assert table.grant("h2", [b"a"], 1, HOLDERS, ttl_s=0).expires_at == 130.0
+    # 2^32-1 ms (49 days) asked for: the worker's 30 s.
+    assert table.grant("h3", [b"a"], 1, HOLDERS, ttl_s=(2**32 - 1) / 1000).expires_at == 130.0
 
 
 def test_expired_lease_is_not_found_before_the_sweep() -> None:
     clock = Clock()
-    table = LeaseTable(default_ttl_s=1.0, clock=clock)
-    lease = table.grant("h1", [b"a"], 3)
+    table = LeaseTable(ttl_s=1.0, clock=clock)
+    lease = table.grant("h1", [b"a"], 3, HOLDERS)
     clock.now += 1.0
     with pytest.raises(NotFound, match="expired"):
-        table.get(lease.lease_id)
+        table.get(lease.lease_id, PULLER)
     assert len(table) == 1  # still to be swept, so its blocks get released
 
 
 def test_take_expired_keeps_live_leases() -> None:
     clock = Clock()
-    table = LeaseTable(default_ttl_s=1.0, clock=clock)
-    old = table.grant("old", [b"a"], 3)
+    table = LeaseTable(ttl_s=1.0, clock=clock)
+    old = table.grant("old", [b"a"], 3, HOLDERS)
     clock.now += 0.6
-    young = table.grant("young", [b"b"], 3)
+    young = table.grant("young", [b"b"], 3, HOLDERS)
     clock.now += 0.6
     assert table.take_expired() == [old]
-    assert table.get(young.lease_id) is young
+    assert table.get(young.lease_id, PULLER) is young
     assert table.take_all() == [young]
     assert len(table) == 0
 
 
 async def test_sweeper_releases_expired_leases() -> None:
     clock = Clock()
-    table = LeaseTable(default_ttl_s=1.0, clock=clock)
+    table = LeaseTable(ttl_s=10.0, clock=clock)
     released: list[str] = []
     ticks: list[int] = []
 
@@ -76,9 +95,9 @@ async def test_sweeper_releases_expired_leases() -> None:
         released.append(lease.handle_id)
 
     sweeper = LeaseSweeper(table, release, interval_s=0.01, also=lambda: ticks.append(1))
-    table.grant("bad", [b"a"], 1)
-    table.grant("h1", [b"a"], 1)
-    table.grant("h2", [b"a"], 1, ttl_s=60.0)
+    table.grant("bad", [b"a"], 1, HOLDERS, ttl_s=1.0)
+    table.grant("h1", [b"a"], 1, HOLDERS, ttl_s=1.0)
+    table.grant("h2", [b"a"], 1, HOLDERS)
     sweeper.start()
     await asyncio.sleep(0.05)
     assert released == []
