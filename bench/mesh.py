@@ -40,10 +40,16 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from bench.report import RESULTS, write_results, write_section
+from bench.report import RESULTS, repeat_command, write_results, write_section
 from kvmesh.bench_report import RequestResult, Slo, summarize
 from kvmesh.loadgen import LoadSpec, build_requests, run_load
-from kvmesh.stack import OPENAI_HTTP_PORT, StackOptions, plan_stack, write_pools_file
+from kvmesh.stack import (
+    OPENAI_HTTP_PORT,
+    StackOptions,
+    StackService,
+    plan_stack,
+    write_pools_file,
+)
 from kvmesh.supervisor import Supervisor
 from kvmesh.up import start_waves
 from kvmesh.v1 import gateway_pb2
@@ -165,6 +171,13 @@ def quiet(name: str, line: str) -> None:
 @contextlib.asynccontextmanager
 async def running_mesh(args: argparse.Namespace) -> AsyncIterator[str]:
     """`kvmesh up`'s disaggregated stack (one prefill, one decode worker); yields its gateway."""
+    async with running_stack(args) as services:
+        yield next(s for s in services if s.name == "gateway").address
+
+
+@contextlib.asynccontextmanager
+async def running_stack(args: argparse.Namespace) -> AsyncIterator[list[StackService]]:
+    """`kvmesh up`'s disaggregated stack, on bench ports; yields its services once all serve."""
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-mesh-") as state:
         options = StackOptions(
             model=args.model,
@@ -180,7 +193,7 @@ async def running_mesh(args: argparse.Namespace) -> AsyncIterator[str]:
         write_pools_file(options, [s for s in services if s.role])
         try:
             await supervisor.start_all(start_waves(services))
-            yield next(s for s in services if s.name == "gateway").address
+            yield services
         finally:
             await supervisor.stop_all()
 
@@ -369,23 +382,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def command_line(args: argparse.Namespace) -> str:
-    """The command that repeats the run: every flag that differs from its default."""
-    defaults = parse_args(["--quick"] if args.quick else [])
-    flags = ["--quick"] if args.quick else []
-    for name, value in vars(args).items():
-        if name not in ("quick", "no_write") and value != getattr(defaults, name):
-            flags.append(f"--{name.replace('_', '-')} {value}")
-    return " ".join(["python -m bench.mesh", *flags])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console(width=120)
     report = asyncio.run(run(args, console))
     print_table(report, console)
     if not args.no_write:
-        command = command_line(args)
+        command = repeat_command("bench.mesh", args, parse_args)
         results = write_results("mesh", report)
         plot(report, RESULTS / "mesh.png")
         write_section(markdown(report, command))

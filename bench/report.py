@@ -6,7 +6,9 @@ the scripts can run alone or all in turn (`python -m bench.all`).
 
 from __future__ import annotations
 
+import argparse
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +56,18 @@ def write_results(name: str, payload: Any, directory: Path = RESULTS) -> Path:
     path = directory / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def repeat_command(
+    module: str,
+    args: argparse.Namespace,
+    parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+) -> str:
+    """The command that repeats a run: `python -m MODULE` with every flag that differs from its
+    default (`--quick` kept, and the defaults compared are the quick ones then)."""
+    defaults = parse_args(["--quick"] if args.quick else [])
+    flags = ["--quick"] if args.quick else []
+    for name, value in vars(args).items():
+        if name not in ("quick", "no_write") and value != getattr(defaults, name):
+            flags.append(f"--{name.replace('_', '-')} {value}")
+    return " ".join([f"python -m {module}", *flags])
