@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import kvmesh
 from kvmesh.healthcheck import main as healthcheck
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.admission.tenants import Tenant, add_tenant
+from services.admission.tenants import PriorityClass, Tenant, add_tenant
 from tests.procs import ServiceProcess, start_service
 from tests.service.worker_mesh import KV_BLOCKS, worker_args
 
@@ -87,6 +87,7 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         specs = [
             Tenant(name="alice", key_sha256=""),
             Tenant(name="limited", key_sha256="", tokens_per_minute=60),
+            Tenant(name="batcher", key_sha256="", highest_priority=PriorityClass.BATCH),
         ]
         keys = {spec.name: add_tenant(tenants, spec)[1] for spec in specs}
         gateway = start_service(
@@ -109,7 +110,7 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         started.append(gateway)
         door = start_service(
             "services.openai_http",
-            ["--gateway", gateway.address, "--port", "0", "--metrics-port", "-1"],
+            ["--gateway", gateway.address, "--port", "0", "--metrics-port", "0"],
         )
         started.append(door)
         running = Mesh(worker, gateway, door, keys)
@@ -297,8 +298,10 @@ def test_a_repeated_prompt_reports_cached_tokens_and_cache_hits(mesh: Mesh) -> N
     assert fresh.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_list_models_and_health(mesh: Mesh) -> None:
+def test_list_models_health_and_metrics(mesh: Mesh) -> None:
     assert healthcheck(["--http", mesh.door.address]) == 0
+    metrics = httpx.get(f"http://127.0.0.1:{mesh.door.metrics_port}/metrics").text
+    assert 'kvmesh:http_responses_total{route="/v1/completions",status="200"}' in metrics
     [model] = mesh.openai().models.list().data
     assert model.id == TIER and (model.model_extra or {})["max_model_len"] == 512
 
@@ -350,6 +353,14 @@ def test_errors_raise_the_sdks_exceptions(mesh: Mesh) -> None:
     with pytest.raises(openai.BadRequestError) as n:
         client.chat.completions.create(**chat, n=9)
     assert n.value.param == "n"
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        mesh.openai("batcher").chat.completions.create(**chat)
+    assert "interactive" in denied.value.message
+    batch = mesh.openai("batcher").chat.completions.create(**chat, extra_body={"priority": "batch"})
+    assert batch.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.APIStatusError) as late:
+        client.chat.completions.create(**chat, extra_headers={"X-Kvmesh-Timeout-S": "0.001"})
+    assert late.value.status_code == 504 and late.value.type == "timeout"
     # Unknown fields are ignored, as OpenAI's API ignores them.
     ok = client.chat.completions.create(**chat, extra_body={"no_such_field": 1})
     assert ok.choices[0].finish_reason in ("stop", "length")
