@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from kvmesh.contracts.constraints import checked_constraint
 from kvmesh.errors import InvalidArgument
 from kvmesh.v1 import common_pb2
 
@@ -65,7 +66,8 @@ def check_stops(sampling: common_pb2.SamplingParams, max_stop_strings: int) -> N
 
 
 def check_sampling(sampling: common_pb2.SamplingParams, max_stop_strings: int) -> None:
-    """The bounds of every sampling field that do not depend on the model."""
+    """The bounds of every sampling field that do not depend on the model, the output
+    constraint's included (kvmesh/contracts/constraints.py)."""
     if sampling.HasField("max_tokens") and not 1 <= sampling.max_tokens <= MAX_OUTPUT_TOKENS:
         raise InvalidArgument("sampling.max_tokens", f"must be between 1 and {MAX_OUTPUT_TOKENS}")
     if sampling.HasField("temperature") and not (
@@ -79,6 +81,7 @@ def check_sampling(sampling: common_pb2.SamplingParams, max_stop_strings: int) -
     if sampling.HasField("logprobs") and sampling.logprobs > MAX_LOGPROBS:
         raise InvalidArgument("sampling.logprobs", f"at most {MAX_LOGPROBS}")
     check_stops(sampling, max_stop_strings)
+    checked_constraint(sampling)
 
 
 def _check_length(value: str | bytes, field: str, limit: int, unit: str) -> None:

@@ -111,6 +111,32 @@ FINISH_REASON_ERROR: FinishReason.ValueType  # 5
 """The request failed; see the error message beside it."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _GrammarNotation:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _GrammarNotationEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_GrammarNotation.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    GRAMMAR_NOTATION_UNSPECIFIED: _GrammarNotation.ValueType  # 0
+    """Not set: refused."""
+    GRAMMAR_NOTATION_EBNF: _GrammarNotation.ValueType  # 1
+    """EBNF / GBNF (llama.cpp style, as xgrammar reads it); the start rule is `root`."""
+    GRAMMAR_NOTATION_LARK: _GrammarNotation.ValueType  # 2
+    """Lark (as llguidance reads it); the start rule is `start`."""
+
+class GrammarNotation(_GrammarNotation, metaclass=_GrammarNotationEnumTypeWrapper):
+    """Notation of a grammar constraint. Both grammar backends read both: xgrammar reads EBNF
+    natively and converts Lark, llguidance reads Lark natively and converts EBNF.
+    """
+
+GRAMMAR_NOTATION_UNSPECIFIED: GrammarNotation.ValueType  # 0
+"""Not set: refused."""
+GRAMMAR_NOTATION_EBNF: GrammarNotation.ValueType  # 1
+"""EBNF / GBNF (llama.cpp style, as xgrammar reads it); the start rule is `root`."""
+GRAMMAR_NOTATION_LARK: GrammarNotation.ValueType  # 2
+"""Lark (as llguidance reads it); the start rule is `start`."""
+Global___GrammarNotation: _TypeAlias = GrammarNotation  # noqa: Y015
+
 @_typing.final
 class SamplingParams(_message.Message):
     """Sampling parameters. Unset optional fields take the engine defaults
@@ -128,6 +154,11 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Most tokens to generate; must be at least 1."""
     temperature: _builtins.float
@@ -142,6 +173,12 @@ class SamplingParams(_message.Message):
     """Number of most-likely alternatives to return per generated token; unset returns none."""
     ignore_eos: _builtins.bool
     """Keep generating past EOS (benchmarks)."""
+    json_schema: _builtins.str
+    """A JSON Schema (draft 2020-12 subset, as JSON text): the answer is JSON that validates."""
+    json_object: _builtins.bool
+    """Any JSON object; must be true when set."""
+    regex: _builtins.str
+    """A regular expression the whole answer matches (no anchors needed)."""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Strings that end generation; the stop string itself is not emitted."""
@@ -149,6 +186,14 @@ class SamplingParams(_message.Message):
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end generation (in addition to the model's EOS unless ignore_eos)."""
+
+    @_builtins.property
+    def grammar(self) -> Global___Grammar:
+        """A context-free grammar in a named notation."""
+
+    @_builtins.property
+    def choice(self) -> Global___Choice:
+        """The answer is exactly one of these strings."""
 
     def __init__(
         self,
@@ -162,10 +207,15 @@ class SamplingParams(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _builtins.int | None = ...,
         ignore_eos: _builtins.bool = ...,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
+        grammar: Global___Grammar | None = ...,
+        choice: Global___Choice | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "regex", b"regex", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "json_object", b"json_object", "json_schema", b"json_schema", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "regex", b"regex", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
@@ -179,6 +229,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "grammar", "choice"]  # noqa: Y015
+    _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
     @_typing.overload
@@ -191,8 +243,60 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class Grammar(_message.Message):
+    """A context-free grammar the answer must match."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOTATION_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    notation: Global___GrammarNotation.ValueType
+    """How source is written."""
+    source: _builtins.str
+    """The grammar's text."""
+    def __init__(
+        self,
+        *,
+        notation: Global___GrammarNotation.ValueType = ...,
+        source: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["notation", b"notation", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Grammar: _TypeAlias = Grammar  # noqa: Y015
+
+@_typing.final
+class Choice(_message.Message):
+    """A closed set of answers."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def options(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The allowed answers (non-empty strings, at least one)."""
+
+    def __init__(
+        self,
+        *,
+        options: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choice: _TypeAlias = Choice  # noqa: Y015
 
 @_typing.final
 class ChatMessage(_message.Message):

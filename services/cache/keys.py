@@ -26,6 +26,8 @@ def _sampling_fields(sampling: common_pb2.SamplingParams) -> bytes:
             parts.append(f"{field.number}:{list(value)!r}".encode())
         elif field.has_presence and not sampling.HasField(field.name):  # type: ignore[arg-type]
             parts.append(f"{field.number}:unset".encode())
+        elif field.message_type is not None:  # a grammar or choice constraint: its exact bytes
+            parts.append(f"{field.number}:".encode() + value.SerializeToString(deterministic=True))
         else:
             parts.append(f"{field.number}:{value!r}".encode())
     return b"\x1f".join(parts)

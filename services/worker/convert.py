@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvmesh.contracts.constraints import checked_constraint
 from kvmesh.errors import InvalidArgument
 from kvmesh.request_limits import check_inference_request
 from kvmesh.v1 import common_pb2
@@ -40,6 +41,7 @@ def sampling_params(proto: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(proto.stop),
         stop_token_ids=tuple(proto.stop_token_ids),
         ignore_eos=proto.ignore_eos,
+        constraint=checked_constraint(proto),
     )
     if proto.HasField("max_tokens"):
         params.max_tokens = proto.max_tokens

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvmesh.channels import insecure_channel
+from kvmesh.contracts.constraints import ConstraintError
 from kvmesh.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -594,6 +595,8 @@ def _engine_errors() -> Iterator[None]:
         yield
     except KvCapacityError as error:
         raise ResourceExhausted(f"KV cache cannot hold the request: {error}") from None
+    except ConstraintError as error:
+        raise InvalidArgument(error.field, error.detail) from None
     except ValueError as error:
         raise InvalidArgument("request", str(error)) from None
 

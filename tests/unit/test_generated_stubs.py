@@ -56,7 +56,7 @@ def test_a_proto_edit_is_detected(tmp_path: Path) -> None:
     edited = tmp_path / "edited"
     shutil.copytree(REPO_ROOT / "protos", edited / "protos")
     common = edited / "protos" / "kvmesh" / "v1" / "common.proto"
-    common.write_text(common.read_text().replace("bool ignore_eos = 9;", "bool ignore_eos = 10;"))
+    common.write_text(common.read_text().replace("bool ignore_eos = 9;", "bool ignore_eos = 99;"))
     out = tmp_path / "out"
     out.mkdir()
     bin_dir = Path(sys.executable).parent

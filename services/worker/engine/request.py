@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvmesh.contracts.constraints import Constraint
+
 if TYPE_CHECKING:
     from services.worker.engine.output_processor import OutputProcessor
 
@@ -49,6 +51,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False
+    # Structured output: tokens are masked to those the constraint's grammar allows.
+    constraint: Constraint | None = None
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +76,8 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.constraint is not None:
+            self.constraint.validate()
 
 
 @dataclass(slots=True)

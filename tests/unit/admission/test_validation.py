@@ -147,6 +147,8 @@ def test_max_tokens_defaults_to_what_fits() -> None:
         ({"stop": ["a", "b", "c"]}, "sampling.stop"),
         ({"stop": ["a", ""]}, "sampling.stop[1]"),
         ({"stop_token_ids": [3, 1000]}, "sampling.stop_token_ids[1]"),
+        ({"json_schema": "{"}, "sampling.json_schema"),
+        ({"choice": common_pb2.Choice(options=["a", ""])}, "sampling.choice.options[1]"),
     ],
 )
 def test_bad_sampling_names_the_field(fields: dict[str, object], field: str) -> None:

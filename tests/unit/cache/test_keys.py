@@ -40,6 +40,17 @@ def test_every_output_changing_field_changes_the_key() -> None:
         lambda k: k.sampling.stop_token_ids.append(2),
         lambda k: setattr(k.sampling, "logprobs", 2),
         lambda k: setattr(k.sampling, "ignore_eos", True),
+        lambda k: setattr(k.sampling, "json_schema", '{"type": "object"}'),
+        lambda k: setattr(k.sampling, "json_object", True),
+        lambda k: setattr(k.sampling, "regex", "[a-z]+"),
+        lambda k: k.sampling.grammar.CopyFrom(
+            common_pb2.Grammar(notation=common_pb2.GRAMMAR_NOTATION_EBNF, source='root ::= "a"')
+        ),
+        lambda k: k.sampling.grammar.CopyFrom(
+            common_pb2.Grammar(notation=common_pb2.GRAMMAR_NOTATION_LARK, source='root ::= "a"')
+        ),
+        lambda k: k.sampling.choice.options.extend(["yes", "no"]),
+        lambda k: k.sampling.choice.options.extend(["no", "yes"]),
     ):
         key = base_key()
         mutate(key)

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from kvmesh.contracts.constraints import Constraint, ConstraintKind
 from kvmesh.errors import InvalidArgument
 from kvmesh.v1 import common_pb2
 from services.worker.convert import (
@@ -38,6 +39,14 @@ def test_unset_sampling_fields_keep_engine_defaults() -> None:
 def test_invalid_sampling_is_invalid_argument() -> None:
     with pytest.raises(InvalidArgument, match="max_tokens"):
         sampling_params(common_pb2.SamplingParams(max_tokens=0))
+    with pytest.raises(InvalidArgument) as refused:
+        sampling_params(common_pb2.SamplingParams(regex=""))
+    assert refused.value.field == "sampling.regex"
+
+
+def test_constraint_reaches_the_engine_unchanged() -> None:
+    params = sampling_params(common_pb2.SamplingParams(json_schema='{"type": "object"}'))
+    assert params.constraint == Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "object"}')
 
 
 def test_engine_request_deadline_and_priority() -> None:
