@@ -1,0 +1,100 @@
+"""The chunks the door streams for a plan's events, as OpenAI would have sent them."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvmesh.client import Chunk, GenerationResult, TokenLogprob, UsageInfo
+from kvmesh.errors import ResourceExhausted
+from kvmesh.v1 import common_pb2
+from services.openai_http import schemas, translation
+from services.openai_http.generation import Event
+from services.openai_http.sse import DONE, StreamTranslator
+from services.openai_http.translation import DoorHeaders
+
+pytestmark = pytest.mark.unit
+
+
+def plan(kind: str, **fields: Any) -> translation.Plan:
+    headers = DoorHeaders(api_key="k")
+    if kind == "chat":
+        body = {"model": "big", "messages": [{"role": "user", "content": "hi"}], **fields}
+        return translation.chat_plan(schemas.ChatCompletionRequest.model_validate(body), headers)
+    request = schemas.CompletionRequest.model_validate({"model": "big", "prompt": "hi", **fields})
+    return translation.completion_plan(request, headers, max_prompts=4)
+
+
+def result(choice: int, reason: str = "length", fallback: bool = True) -> GenerationResult:
+    usage = UsageInfo(prompt_tokens=5, cached_prompt_tokens=4, completion_tokens=2, cost_usd=0.5)
+    return GenerationResult(
+        text="ab", token_ids=[1, 2], finish_reason=reason, model="small",
+        request_id=f"r{choice}", usage=usage, fallback=fallback,
+    )  # fmt: skip
+
+
+def decode(frame: bytes) -> dict[str, Any]:
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    parsed: dict[str, Any] = json.loads(frame[6:])
+    return parsed
+
+
+def test_chat_chunks_of_a_fallback_with_usage() -> None:
+    stream = plan("chat", stream=True, stream_options={"include_usage": True}, logprobs=True)
+    translator = StreamTranslator(stream)
+    started = common_pb2.Started(request_id="r0", model="small")
+    [role] = translator.frames(Event(0, started=started))
+    chunk = Chunk("ab", (1, 2), (TokenLogprob(1, -0.5, ((3, -1.0),)), TokenLogprob(2, -0.1)))
+    [content] = translator.frames(Event(0, chunk=chunk))
+    assert translator.frames(Event(0, chunk=Chunk("", (9,)))) == []  # half a character
+    [finish] = translator.frames(Event(0, result=result(0, reason="deadline")))
+    role_body, content_body, finish_body = decode(role), decode(content), decode(finish)
+    assert role_body["id"] == "chatcmpl-r0" and role_body["model"] == "small"
+    assert role_body["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role_body["usage"] is None and "kvmesh" not in role_body
+    assert content_body["choices"][0]["delta"] == {"content": "ab"}
+    tokens = content_body["choices"][0]["logprobs"]["content"]
+    assert [t["token"] for t in tokens] == ["token_id:1", "token_id:2"]
+    assert tokens[0]["top_logprobs"] == [{"token": "token_id:3", "logprob": -1.0, "bytes": None}]
+    choice = finish_body["choices"][0]
+    assert choice["delta"] == {} and choice["finish_reason"] == "length"
+    assert choice["kvmesh_finish_reason"] == "deadline"
+    assert finish_body["kvmesh"] == {
+        "requested_model": "big",
+        "fallback": True,
+        "request_ids": ["r0"],
+    }
+    usage = decode(translator.usage_frame())
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens_details"] == {
+        "cached_tokens": 4
+    }
+    assert usage["usage"]["total_tokens"] == 7 and usage["usage"]["cost_usd"] == 0.5
+
+
+def test_completion_chunks_without_usage_and_an_error_mid_stream() -> None:
+    stream = plan("completion", stream=True, n=2)
+    translator = StreamTranslator(stream)
+    assert translator.frames(Event(0, started=common_pb2.Started(request_id="r0", model="s"))) == []
+    [text] = translator.frames(Event(0, chunk=Chunk("ab", (1, 2))))
+    body = decode(text)
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "ab"
+    assert "usage" not in body and "kvmesh" not in body
+    [error] = translator.frames(Event(1, error=ResourceExhausted("busy", retry_after_s=1.0)))
+    assert decode(error)["error"]["type"] == "rate_limit_error"
+    assert DONE == b"data: [DONE]\n\n"
+
+
+def test_whole_responses_count_each_prompt_once() -> None:
+    whole = plan("completion", n=2, logprobs=0)
+    body = translation.whole_response(
+        whole, [result(0), result(1, fallback=False)], [[0, 1], [0, 0]]
+    )
+    assert isinstance(body, schemas.Completion)
+    assert (
+        body.model == "small" and body.kvmesh.fallback and body.kvmesh.request_ids == ["r0", "r1"]
+    )
+    assert body.usage.prompt_tokens == 5 and body.usage.completion_tokens == 4
+    assert body.usage.cost_usd == 1.0
+    assert body.choices[1].logprobs is not None and body.choices[1].logprobs.text_offset == [0, 0]
