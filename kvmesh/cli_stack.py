@@ -23,8 +23,14 @@ from kvmesh.control import call_control, default_state_dir, read_stack_file, soc
 from kvmesh.errors import InvalidArgument, KvmeshError, Unavailable, Unimplemented
 from kvmesh.loadgen import LoadSpec, run_load
 from kvmesh.rpc_status import error_from_rpc
-from kvmesh.stack import GATEWAY_PORT, OPENAI_HTTP_PORT, ROUTER_PORT, StackOptions
-from kvmesh.up import PipeSafeOutput, run_up
+from kvmesh.stack import (
+    GATEWAY_PORT,
+    OPENAI_HTTP_PORT,
+    ROUTER_PORT,
+    StackOptions,
+    mesh_secret_path,
+)
+from kvmesh.up import PipeSafeOutput, operator, run_up
 from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 DEFAULT_ROUTER = f"127.0.0.1:{ROUTER_PORT}"
@@ -57,6 +63,13 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     up.add_argument("--tenants", type=Path, default=None, help="tenants YAML for the gateway")
     up.add_argument("--redis", default="", help="Redis URL for budgets and the response cache")
     up.add_argument("--trace-file", type=Path, default=None, help="write spans as JSON lines")
+    up.add_argument(
+        "--mesh-auth",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate a mesh secret so the router, cache and workers take calls only from "
+        "the stack's own services (--no-mesh-auth: an open mesh)",
+    )
     up.add_argument(
         "--state-dir",
         type=Path,
@@ -100,6 +113,13 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
         default=None,
         help=f"the router's HOST:PORT (default: the one of the `kvmesh up` whose gateway "
         f"--target names, else {DEFAULT_ROUTER})",
+    )
+    status.add_argument(
+        "--mesh-secret-file",
+        type=Path,
+        default=None,
+        help="the stack's mesh secret (default: the one `kvmesh up` keeps in the state folder "
+        "of the stack whose gateway --target names)",
     )
     status.set_defaults(func=cmd_status)
 
@@ -156,6 +176,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         port_offset=args.port_offset,
         state_dir=state_dir,
         worker_args=tuple(args.worker_arg),
+        mesh_auth=args.mesh_auth,
     )
     trace_file = args.trace_file.resolve() if args.trace_file else None
     output = cast(TextIO, PipeSafeOutput(sys.stdout))  # a TextIOBase: what Console writes to
@@ -210,9 +231,12 @@ def router_of(args: argparse.Namespace) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     router = router_of(args)
+    secret_file = args.mesh_secret_file or mesh_secret_path(
+        default_state_dir(gateway_port_of(resolve_target(args.target)))
+    )
 
     async def fetch() -> router_pb2.RouterStatusResponse:
-        async with insecure_channel(router) as channel:
+        async with insecure_channel(router, member=operator(secret_file)) as channel:
             reply: router_pb2.RouterStatusResponse = await router_pb2_grpc.RouterStub(
                 channel
             ).Status(router_pb2.RouterStatusRequest(), timeout=10)

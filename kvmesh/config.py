@@ -39,15 +39,18 @@ class ServerConfig:
     """gRPC port; 0 picks a free one (printed in the ready line)."""
     metrics_port: int = 0
     """Prometheus metrics HTTP port; 0 picks a free one, -1 disables the endpoint."""
+    metrics_host: str = ""
+    """Address the metrics endpoint binds; empty: the gRPC host. 127.0.0.1 keeps /metrics
+    (per-tenant names, tokens and cost) to this machine while gRPC listens on every interface."""
     grace_s: float = 5.0
     """Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled."""
     log_level: str = "INFO"
     """Python logging level."""
-    mesh_secret: str = ""
-    """The stack's shared secret (`kvmesh up` and compose generate one): signs KV leases and
-    KV bytes and, without TLS, proves every internal call's caller. Pass it in the
-    environment, not as a flag (other users can read a process's flags). Empty: no secret,
-    so anyone who reaches a port can sign."""
+    mesh_secret_file: Path | None = None
+    """File holding the stack's shared secret (`kvmesh up` and compose generate one, readable
+    by its owner only): it signs KV leases and KV bytes, and the router, cache and workers then
+    take calls only from members of the stack. None: no secret, an open mesh (anyone who
+    reaches a port can call it, and sign)."""
 
 
 def field_docs(cls: type) -> dict[str, str]:

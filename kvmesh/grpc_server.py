@@ -1,8 +1,9 @@
 """The one way every kvmesh service serves gRPC.
 
 `GrpcServer` wires a grpc.aio server with: the standard health service, server reflection
-(grpcurl works), the OpenTelemetry server interceptor, one error interceptor that maps
-kvmesh's exceptions to gRPC statuses, and a Prometheus metrics endpoint. `serve()` runs it
+(grpcurl works), the OpenTelemetry server interceptor, one interceptor that checks the
+caller's mesh membership (internal services, see mesh_auth.py) and maps kvmesh's exceptions to
+gRPC statuses, and a Prometheus metrics endpoint. `serve()` runs it
 until SIGTERM/SIGINT, then flips health to NOT_SERVING, waits `shutdown_delay_s` so load
 balancers see it, and stops with the configured grace.
 """
@@ -28,6 +29,7 @@ from prometheus_client import Counter, start_http_server
 
 from kvmesh.config import ServerConfig
 from kvmesh.errors import Internal, InvalidArgument, KvmeshError, Unimplemented
+from kvmesh.mesh_auth import MeshGuard
 from kvmesh.reflection import enable_reflection
 from kvmesh.rpc_status import abort_with_error
 from kvmesh.server_tracing import TracingInterceptor
@@ -106,10 +108,12 @@ def _requests(request_or_iterator: Any, streaming: bool) -> Any:
 
 
 def _wrap_unary(
-    behavior: Callable[..., Awaitable[Any]], method: str, streaming: bool
+    behavior: Callable[..., Awaitable[Any]], method: str, streaming: bool, guard: MeshGuard | None
 ) -> Callable[..., Any]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
+            if guard is not None:
+                guard.check(method, context)
             return await behavior(_requests(request, streaming), context)
         except KvmeshError as error:
             await _report(context, error, method)
@@ -120,14 +124,19 @@ def _wrap_unary(
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[Any]], method: str, streaming: bool
+    behavior: Callable[..., AsyncIterator[Any]],
+    method: str,
+    streaming: bool,
+    guard: MeshGuard | None,
 ) -> Callable[..., Any]:
     if not inspect.isasyncgenfunction(behavior):
         # A servicer that writes with context.write (grpc's own health Watch) returns a coroutine.
-        return _wrap_unary(behavior, method, streaming)  # type: ignore[arg-type]
+        return _wrap_unary(behavior, method, streaming, guard)  # type: ignore[arg-type]
 
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
+            if guard is not None:
+                guard.check(method, context)
             async for response in behavior(_requests(request, streaming), context):
                 yield response
         except KvmeshError as error:
@@ -154,7 +163,14 @@ async def _report(context: grpc.aio.ServicerContext, error: KvmeshError, method:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns kvmesh exceptions (and bugs) raised by any servicer into proper statuses."""
+    """Refuses callers the `guard` (if any) refuses, and turns kvmesh exceptions (and bugs)
+    raised by any servicer into proper statuses.
+
+    The guard runs in the handler, not here: a TLS caller's certificate is only on the call's
+    context."""
+
+    def __init__(self, guard: MeshGuard | None = None) -> None:
+        self._guard = guard
 
     async def intercept_service(
         self,
@@ -171,18 +187,18 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         }
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method, False), **codec
+                _wrap_unary(handler.unary_unary, method, False, self._guard), **codec
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method, True), **codec
+                _wrap_unary(handler.stream_unary, method, True, self._guard), **codec
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method, False), **codec
+                _wrap_stream(handler.unary_stream, method, False, self._guard), **codec
             )
         return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream, method, True), **codec
+            _wrap_stream(handler.stream_stream, method, True, self._guard), **codec
         )
 
 
@@ -218,6 +234,8 @@ class GrpcServer:
     shutdown_delay_s: float = 0.3
     port: int = 0
     metrics_port: int | None = None
+    guard: MeshGuard | None = None
+    """The membership check of an internal service (None: anyone may call)."""
     _server: grpc.aio.Server | None = None
     _health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
@@ -235,7 +253,7 @@ class GrpcServer:
         if self.config.metrics_port > 0:
             ensure_port_free(self.config.host, self.config.metrics_port, "--metrics-port")
         server = grpc.aio.server(
-            interceptors=[TracingInterceptor(), ErrorInterceptor()],
+            interceptors=[TracingInterceptor(), ErrorInterceptor(self.guard)],
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -267,7 +285,9 @@ class GrpcServer:
     async def _start_metrics(self, server: grpc.aio.Server) -> int:
         """The Prometheus endpoint's port; a failure stops the gRPC server it belongs to."""
         try:
-            http, _ = start_http_server(self.config.metrics_port, addr=self.config.host)
+            http, _ = start_http_server(
+                self.config.metrics_port, addr=self.config.metrics_host or self.config.host
+            )
         except OSError as error:
             await server.stop(0)
             if error.errno != errno.EADDRINUSE:

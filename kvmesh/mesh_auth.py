@@ -1,4 +1,4 @@
-"""Who a call comes from, inside one stack.
+"""Who a call comes from, inside one stack, and who may call what.
 
 A mesh member is a role (gateway, router, worker, cache) and a name (a worker's name is the
 address it advertises, the one the router dials and a lease names). A call proves its caller
@@ -17,6 +17,7 @@ from enum import StrEnum
 
 import grpc
 
+from kvmesh.errors import PermissionDenied, Unauthenticated
 from kvmesh.mesh_keys import MeshKeys
 
 ROLE_METADATA = "kvmesh-member-role"
@@ -31,6 +32,8 @@ class MeshRole(StrEnum):
     ROUTER = "router"
     WORKER = "worker"
     CACHE = "cache"
+    OPERATOR = "operator"
+    """`kvmesh up` and the CLI of the user who started the stack (it can read the secret)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,7 +45,9 @@ class Caller:
 
 
 ROUTER_MEMBER_NAME = "router"
-"""The mesh name of a router (the gateway's is "gateway", a worker's its advertised address)."""
+"""The mesh name of a router (a worker's is the address it advertises)."""
+GATEWAY_MEMBER_NAME = "gateway"
+OPERATOR_MEMBER_NAME = "operator"
 
 ANONYMOUS = Caller("", "")
 """A caller that proved nothing."""
@@ -88,3 +93,65 @@ def caller_of(context: grpc.aio.ServicerContext, keys: MeshKeys) -> Caller:
     if not hmac.compare_digest(keys.member_token(role, name), token):
         return ANONYMOUS
     return Caller(role, name)
+
+
+ALL_METHODS = frozenset({"*"})
+
+MESH_POLICY: dict[str, dict[str, frozenset[str]]] = {
+    "kvmesh.v1.Router": {
+        MeshRole.GATEWAY: frozenset({"Generate", "ListModels", "Status"}),
+        MeshRole.OPERATOR: frozenset({"Status", "ListModels", "AddWorker", "RemoveWorker"}),
+    },
+    "kvmesh.v1.Cache": {MeshRole.GATEWAY: ALL_METHODS},
+    "kvmesh.v1.Worker": {
+        MeshRole.ROUTER: ALL_METHODS,
+        MeshRole.WORKER: frozenset({"PullKv", "ReleaseKv"}),
+    },
+    **{
+        reflection: dict.fromkeys(MeshRole, ALL_METHODS)
+        for reflection in (
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        )
+    },
+}
+"""Who may call what inside a stack: service -> role -> methods. The gateway calls the router
+and the cache; the router calls the workers (their control RPCs too); workers pull KV from
+workers; the operator's tools (`kvmesh up`, `kvmesh status`) manage the router's pools. Any
+member may read the schema (reflection)."""
+
+OPEN_SERVICES = frozenset({"grpc.health.v1.Health"})
+"""Served to anyone: health checks come from load balancers and compose, outside the stack."""
+
+
+@dataclass(slots=True, frozen=True)
+class MeshGuard:
+    """The check every internal RPC passes before its servicer runs (in kvmesh's one server
+    interceptor, grpc_server.py): the caller must be a member of the stack whose role
+    MESH_POLICY lets call the method."""
+
+    keys: MeshKeys
+
+    def check(self, method: str, context: grpc.aio.ServicerContext) -> Caller:
+        """The caller of `method` ("/package.Service/Method"); Unauthenticated when it proves
+        no membership, PermissionDenied when its role may not call the method."""
+        service, _, name = method.lstrip("/").partition("/")
+        if service in OPEN_SERVICES:
+            return caller_of(context, self.keys)
+        caller = caller_of(context, self.keys)
+        if caller == ANONYMOUS:
+            raise Unauthenticated(
+                f"{method} is internal to a kvmesh stack: only its members may call it "
+                "(the stack's certificate or mesh secret)"
+            )
+        allowed = MESH_POLICY.get(service, {}).get(caller.role, frozenset())
+        if allowed != ALL_METHODS and name not in allowed:
+            raise PermissionDenied(
+                f"{caller.role or 'a caller'} {caller.name!r} may not call {method}"
+            )
+        return caller
+
+
+def mesh_guard(keys: MeshKeys) -> MeshGuard | None:
+    """The guard of an internal service: None (an open mesh) when the stack has no secret."""
+    return MeshGuard(keys) if keys.secret_set else None

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import secrets
 import struct
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvmesh.v1 import common_pb2
 
@@ -45,6 +49,16 @@ class MeshKeys:
     """Makes the per-call member tokens of a stack without TLS."""
     secret_set: bool
     """A mesh secret was configured (without one, anyone can sign)."""
+
+    @classmethod
+    def from_file(cls, path: Path | None) -> MeshKeys:
+        """The keys of the stack whose secret is in `path` (None: no secret)."""
+        if path is None:
+            return cls.from_secret("")
+        secret = path.read_text(encoding="utf-8").strip()
+        if not secret:
+            raise ValueError(f"mesh secret file {path} is empty")
+        return cls.from_secret(secret)
 
     @classmethod
     def from_secret(cls, secret: str) -> MeshKeys:
@@ -85,3 +99,30 @@ class MeshKeys:
         """The token a member of `role` named `name` sends with its calls (no TLS)."""
         message = f"{role}\n{name}".encode()
         return hmac.new(self.member, message, DIGEST).hexdigest()
+
+
+def write_secret_file(path: Path) -> Path:
+    """Writes a new random mesh secret to `path`, readable by its owner only (kvmesh up and
+    compose's set-up step); an existing file is kept, so a restarted stack keeps its secret."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+def main(argv: list[str]) -> int:
+    """`python -m kvmesh.mesh_keys PATH`: writes a mesh secret to PATH unless one is there
+    (compose's set-up step)."""
+    if len(argv) != 1:
+        print("usage: python -m kvmesh.mesh_keys PATH", file=sys.stderr)
+        return 2
+    write_secret_file(Path(argv[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

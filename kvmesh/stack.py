@@ -61,6 +61,9 @@ class StackOptions:
     """Folder for generated files (the router's pools file)."""
     worker_args: tuple[str, ...] = ()
     """Extra flags passed to every worker (e.g. a small KV budget in tests)."""
+    mesh_auth: bool = True
+    """Generate a mesh secret (in the state folder): the router, cache and workers then take
+    calls only from the stack's own services, and KV leases and bytes are signed."""
 
     @property
     def tier_name(self) -> str:
@@ -131,9 +134,23 @@ def worker_service(options: StackOptions, role: str, index: int, slot: int) -> S
         str(metrics_port),
         "--grace-s",
         str(WORKER_GRACE_S),
+        *mesh_args(options),
         *options.worker_args,
     )
     return StackService(name, "services.worker", args, options.host, port, metrics_port, role)
+
+
+def mesh_secret_path(state_dir: Path) -> Path:
+    """Where the mesh secret of the stack kept in `state_dir` lives (kvmesh up writes it,
+    mode 0600)."""
+    return state_dir / "secrets" / "mesh-secret"
+
+
+def mesh_args(options: StackOptions) -> tuple[str, ...]:
+    """The flags that make a service a member of the stack (none with mesh_auth off)."""
+    if not options.mesh_auth:
+        return ()
+    return ("--mesh-secret-file", str(mesh_secret_path(options.state_dir)))
 
 
 def plan_workers(options: StackOptions) -> list[StackService]:
@@ -190,6 +207,7 @@ def plan_stack(options: StackOptions) -> list[StackService]:
     cache_args = ["--host", host, "--port", str(cache_port), "--metrics-port", str(cache_metrics)]
     if options.redis:
         cache_args += ["--redis", options.redis]
+    cache_args += mesh_args(options)
     cache = StackService(
         "cache", "services.cache", tuple(cache_args), host, cache_port, cache_metrics
     )
@@ -204,6 +222,7 @@ def plan_stack(options: StackOptions) -> list[StackService]:
         str(router_port),
         "--metrics-port",
         str(router_metrics),
+        *mesh_args(options),
     )
     router = StackService(
         "router", "services.router", router_args, host, router_port, router_metrics
@@ -227,6 +246,7 @@ def plan_stack(options: StackOptions) -> list[StackService]:
         gateway_args += ["--tenants", str(options.tenants)]
     if options.redis:
         gateway_args += ["--redis", options.redis]
+    gateway_args += mesh_args(options)
     gateway = StackService(
         "gateway",
         "services.admission",

@@ -30,9 +30,12 @@ from kvmesh.control import (
     write_stack_file,
 )
 from kvmesh.errors import InvalidArgument
+from kvmesh.mesh_auth import OPERATOR_MEMBER_NAME, MeshMember, MeshRole
+from kvmesh.mesh_keys import MeshKeys, write_secret_file
 from kvmesh.stack import (
     StackOptions,
     StackService,
+    mesh_secret_path,
     plan_stack,
     worker_service,
     write_pools_file,
@@ -101,7 +104,9 @@ class Stack:
         return [c for c in self.supervisor.children if c.service.role == role]
 
     async def _router_call(self, method: str, request: Any) -> router_pb2.WorkerChangeResponse:
-        async with insecure_channel(self.router.address) as channel:
+        async with insecure_channel(
+            self.router.address, member=operator(mesh_secret_path(self.options.state_dir))
+        ) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             reply: router_pb2.WorkerChangeResponse = await getattr(stub, method)(
                 request, timeout=10
@@ -161,6 +166,14 @@ class Stack:
         return {"ok": True, "pool": pool, "changed": changed, "workers": len(self.workers(role))}
 
 
+def operator(secret_file: Path) -> MeshMember | None:
+    """The operator (`kvmesh up`, `kvmesh status`) of the stack whose mesh secret is in
+    `secret_file`: None when there is none (a stack without mesh auth)."""
+    if not secret_file.exists():
+        return None
+    return MeshMember(MeshRole.OPERATOR, OPERATOR_MEMBER_NAME, MeshKeys.from_file(secret_file))
+
+
 def try_command(gateway_address: str, options: StackOptions) -> str:
     """A first command that works as printed: the kvmesh beside this Python (no venv to
     activate) and, with tenants on, the key it needs."""
@@ -195,6 +208,8 @@ async def run_up(options: StackOptions, trace_file: Path | None, console: Consol
     try:
         stack.supervisor.check_ports(stack.services)
         write_pools_file(options, [s for s in stack.services if s.role])
+        if options.mesh_auth:
+            write_secret_file(mesh_secret_path(options.state_dir))
         starting = asyncio.create_task(stack.supervisor.start_all(start_waves(stack.services)))
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)

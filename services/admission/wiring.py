@@ -9,6 +9,8 @@ from redis.asyncio import Redis
 
 from kvmesh.channels import insecure_channel
 from kvmesh.grpc_server import StopHook
+from kvmesh.mesh_auth import GATEWAY_MEMBER_NAME, MeshMember, MeshRole
+from kvmesh.mesh_keys import MeshKeys
 from services.admission.admission_queue import AdmissionQueue, QueueLimits
 from services.admission.catalog import ModelCatalog, parse_tier_map
 from services.admission.concurrency import ConcurrencyLimits, MemorySlots, RedisSlots
@@ -73,15 +75,19 @@ def tenant_books(config: AdmissionConfig, hooks: list[StopHook]) -> TenantBooks:
 
 def build_gateway(config: AdmissionConfig) -> Assembly:
     """The Gateway for `config` (channels connect lazily: nothing is contacted yet)."""
-    router_channel = insecure_channel(config.router)
+    # Every call to the router and the cache carries the gateway's mesh identity.
+    member = MeshMember(
+        MeshRole.GATEWAY, GATEWAY_MEMBER_NAME, MeshKeys.from_file(config.mesh_secret_file)
+    )
+    router_channel = insecure_channel(config.router, member=member)
     router = RouterClient(router_channel, cancel_grace_s=config.cancel_grace_s)
     # The model list is polled in the background: no trace per poll.
-    catalog_channel = insecure_channel(config.router, traced=False)
+    catalog_channel = insecure_channel(config.router, traced=False, member=member)
     catalog_router = RouterClient(catalog_channel, cancel_grace_s=config.cancel_grace_s)
     hooks: list[StopHook] = [lambda: catalog_channel.close()]
     cache = None
     if config.cache:
-        cache_channel = insecure_channel(config.cache)
+        cache_channel = insecure_channel(config.cache, member=member)
         cache = CacheClient(cache_channel, timeout_s=config.cache_timeout_s)
         hooks.append(lambda: cache_channel.close())
     books = tenant_books(config, hooks)

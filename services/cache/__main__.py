@@ -15,6 +15,8 @@ from kvmesh.grpc_server import (
     run_service_main,
     serve,
 )
+from kvmesh.mesh_auth import mesh_guard
+from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import cache_pb2, cache_pb2_grpc
 from services.cache.backends import CacheBackend, MemoryBackend, RedisBackend
 from services.cache.config import CacheConfig
@@ -38,7 +40,8 @@ def build_server(config: CacheConfig) -> GrpcServer:
     binding = ServiceBinding(
         SERVICE_NAME, CacheServicer(cache), cache_pb2_grpc.add_CacheServicer_to_server
     )
-    return GrpcServer(config, "cache", [binding], on_stop=[backend.close])
+    guard = mesh_guard(MeshKeys.from_file(config.mesh_secret_file))
+    return GrpcServer(config, "cache", [binding], on_stop=[backend.close], guard=guard)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

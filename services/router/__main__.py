@@ -15,7 +15,7 @@ from kvmesh.grpc_server import (
     run_service_main,
     serve,
 )
-from kvmesh.mesh_auth import ROUTER_MEMBER_NAME, MeshMember, MeshRole
+from kvmesh.mesh_auth import ROUTER_MEMBER_NAME, MeshMember, MeshRole, mesh_guard
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
@@ -57,9 +57,8 @@ def build_router(config: RouterConfig) -> Router:
     """A router over the pools file the config names, not yet started."""
     config.validate()
     registry = PoolRegistry(load_pools(config.config))
-    peers = Peers(
-        MeshMember(MeshRole.ROUTER, ROUTER_MEMBER_NAME, MeshKeys.from_secret(config.mesh_secret))
-    )
+    keys = MeshKeys.from_file(config.mesh_secret_file)
+    peers = Peers(MeshMember(MeshRole.ROUTER, ROUTER_MEMBER_NAME, keys))
     scaling = ScalingPolicy(
         target_throughput_utilization=config.scale_target_utilization,
         warm_buffer=config.scale_warm_buffer,
@@ -78,7 +77,7 @@ def build_router(config: RouterConfig) -> Router:
         await peers.close()
 
     binding = ServiceBinding(SERVICE_NAME, servicer, router_pb2_grpc.add_RouterServicer_to_server)
-    server = GrpcServer(config, "router", [binding], on_stop=[close])
+    server = GrpcServer(config, "router", [binding], on_stop=[close], guard=mesh_guard(keys))
     return Router(registry, monitor, server)
 
 

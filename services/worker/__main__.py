@@ -16,6 +16,7 @@ from kvmesh.grpc_server import (
     run_service_main,
     serve,
 )
+from kvmesh.mesh_auth import mesh_guard
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.backends import EngineBackend, create_engine
@@ -76,6 +77,7 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
         config.engine, engine_config(config), kv_wire_format=config.kv_wire_format
     )
     leases = LeaseTable(ttl_s=config.lease_ttl_s)
+    keys = MeshKeys.from_file(config.mesh_secret_file)
     # The lease names this worker's address, known only once the server has bound its port.
     servers: list[GrpcServer] = []
     servicer = WorkerServicer(
@@ -83,7 +85,7 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
         config,
         leases,
         lambda: config.advertise_address or servers[0].address,
-        MeshKeys.from_secret(config.mesh_secret),
+        keys,
     )
     sweeper = LeaseSweeper(
         leases, servicer.expire_lease, config.lease_sweep_interval_s, servicer.refresh_gauges
@@ -95,7 +97,7 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
         await engine.shutdown()
 
     binding = ServiceBinding(SERVICE_NAME, servicer, worker_pb2_grpc.add_WorkerServicer_to_server)
-    servers.append(GrpcServer(config, "worker", [binding], on_stop=[close]))
+    servers.append(GrpcServer(config, "worker", [binding], on_stop=[close], guard=mesh_guard(keys)))
     return Worker(engine, servicer, sweeper, servers[0])
 
 

@@ -36,11 +36,22 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvmesh
+from kvmesh.channels import insecure_channel
+from kvmesh.mesh_auth import MeshMember, MeshRole
+from kvmesh.mesh_keys import MeshKeys
 from kvmesh.stack import (
     FIRST_WORKER_METRICS_PORT,
     FIRST_WORKER_PORT,
     GATEWAY_METRICS_PORT,
     OPENAI_HTTP_PORT,
+)
+from kvmesh.v1 import (
+    cache_pb2,
+    cache_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
 )
 from tests.procs import REPO_ROOT
 
@@ -294,6 +305,47 @@ def test_status_and_the_scaling_signal(stack: RunningStack) -> None:
     for pool in ("prefill", "decode"):
         assert metric(samples, "kvmesh:router_recommended_replicas", tier=TIER, pool=pool) == 1
         assert metric(samples, "kvmesh:router_workers_in_rotation", tier=TIER, pool=pool) == 1
+
+
+def test_internal_ports_refuse_callers_outside_the_stack(stack: RunningStack) -> None:
+    """kvmesh up generates a mesh secret: a direct call to the router, the cache or a worker,
+    without it, is refused (issue 15.2); the stack keeps serving (the other tests)."""
+    secret = stack.state_dir / "secrets" / "mesh-secret"
+    assert secret.stat().st_mode & 0o777 == 0o600
+    outsider = MeshMember(MeshRole.OPERATOR, "operator", MeshKeys.from_secret("a guess"))
+
+    async def refusals() -> list[grpc.StatusCode]:
+        codes = []
+        for port, call in (
+            (
+                50052,
+                lambda ch: router_pb2_grpc.RouterStub(ch).AddWorker(
+                    router_pb2.AddWorkerRequest(tier=TIER, address="127.0.0.1:9")
+                ),
+            ),
+            (
+                50052,
+                lambda ch: router_pb2_grpc.RouterStub(ch).RemoveWorker(
+                    router_pb2.RemoveWorkerRequest(address=f"127.0.0.1:{50061 + stack.offset}")
+                ),
+            ),
+            (
+                50053,
+                lambda ch: cache_pb2_grpc.CacheStub(ch).Invalidate(
+                    cache_pb2.InvalidateRequest(all=True)
+                ),
+            ),
+            (50061, lambda ch: worker_pb2_grpc.WorkerStub(ch).Stats(worker_pb2.StatsRequest())),
+        ):
+            for member in (None, outsider):
+                address = f"127.0.0.1:{port + stack.offset}"
+                async with insecure_channel(address, member=member) as channel:
+                    with pytest.raises(grpc.aio.AioRpcError) as raised:
+                        await call(channel)
+                    codes.append(raised.value.code())
+        return codes
+
+    assert set(asyncio.run(refusals())) == {grpc.StatusCode.UNAUTHENTICATED}
 
 
 async def stream_tokens(

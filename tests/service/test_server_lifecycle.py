@@ -125,3 +125,28 @@ def test_sigterm_flips_health_then_exits_within_grace(cache_process: ServiceProc
     assert cache_process.proc.wait(timeout=GRACE_S + 5) == 0
     assert time.monotonic() - sent < GRACE_S + 2
     channel.close()
+
+
+@pytest.mark.parametrize(
+    ("metrics_host", "reaches_other_address"), [("", True), ("127.0.0.1", False)]
+)
+def test_metrics_can_stay_on_loopback_while_grpc_listens_everywhere(
+    metrics_host: str, reaches_other_address: bool
+) -> None:
+    args = ["--host", "0.0.0.0", "--port", "0", "--metrics-port", "0"]
+    if metrics_host:
+        args += ["--metrics-host", metrics_host]
+    service = start_service("services.cache", args)
+    try:
+        assert service.metrics_port
+        # 127.0.0.2 stands for any address but 127.0.0.1 (Linux routes all of 127/8 locally).
+        with urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics") as reply:
+            assert reply.status == 200
+        try:
+            urllib.request.urlopen(f"http://127.0.0.2:{service.metrics_port}/metrics", timeout=5)
+            reached = True
+        except OSError:
+            reached = False
+        assert reached == reaches_other_address
+    finally:
+        service.kill()

@@ -17,7 +17,14 @@ import pytest
 from kvmesh.channels import insecure_channel
 from kvmesh.config import load_config
 from kvmesh.grpc_server import GrpcServer, ServiceBinding
-from kvmesh.mesh_auth import NAME_METADATA, ROLE_METADATA, TOKEN_METADATA, MeshMember, MeshRole
+from kvmesh.mesh_auth import (
+    NAME_METADATA,
+    ROLE_METADATA,
+    ROUTER_MEMBER_NAME,
+    TOKEN_METADATA,
+    MeshMember,
+    MeshRole,
+)
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker import servicer as worker_servicer
@@ -36,6 +43,8 @@ from tests.service.worker_mesh import (
 
 SECRET = "the test stack's secret"
 KEYS = MeshKeys.from_secret(SECRET)
+ROUTER = MeshMember(MeshRole.ROUTER, ROUTER_MEMBER_NAME, KEYS)
+"""Every test stub of the workers calls as the stack's router does."""
 PROMPT = list(range(20, 60))  # 40 tokens: 3 blocks of 16
 _MEMBER_METADATA = (ROLE_METADATA, NAME_METADATA, TOKEN_METADATA)
 
@@ -74,19 +83,17 @@ class Relay(worker_pb2_grpc.WorkerServicer):
 
 @dataclass
 class Stack:
-    """A prefill and a decode worker of one stack, the prefill reached through `relay`."""
+    """A prefill and a decode worker of one stack, the prefill reached through `relay`; the
+    workers' stubs call as the stack's router."""
 
     prefill: InProcessWorker
     decode: InProcessWorker
     relay: Relay
-    router: worker_pb2_grpc.WorkerStub
-    """The prefill worker as the stack's router calls it."""
-    router_on_decode: worker_pb2_grpc.WorkerStub
 
     async def prefill_for_decode(
         self, req: common_pb2.InferenceRequest, lease_ttl_ms: int = 0
     ) -> worker_pb2.PrefillResponse:
-        return await self.router.Prefill(
+        return await self.prefill.stub.Prefill(
             worker_pb2.PrefillRequest(
                 request=req, lease_ttl_ms=lease_ttl_ms, puller=self.decode.address
             ),
@@ -94,7 +101,7 @@ class Stack:
         )
 
     async def decode_error(self, message: worker_pb2.DecodeMessage) -> grpc.aio.AioRpcError:
-        call = self.router_on_decode.Decode(timeout=10)
+        call = self.decode.stub.Decode(timeout=10)
         await call.write(message)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             _ = [event async for event in call]
@@ -111,7 +118,7 @@ def member_stub(
 
 
 @pytest.fixture
-async def stack(tiny_llama_dir: Path) -> AsyncIterator[Stack]:
+async def stack(tiny_llama_dir: Path, tmp_path: Path) -> AsyncIterator[Stack]:
     relay = Relay()  # type: ignore[abstract]  # serves PullKv and ReleaseKv only
     config = load_config(WorkerConfig, ["--port", "0", "--metrics-port", "-1"])
     binding = ServiceBinding(
@@ -121,19 +128,20 @@ async def stack(tiny_llama_dir: Path) -> AsyncIterator[Stack]:
     )
     relay_server = GrpcServer(config, "relay", [binding])
     await relay_server.start()
-    secret = ("--mesh-secret", SECRET)
+    secret_file = tmp_path / "mesh-secret"
+    secret_file.write_text(SECRET)
+    secret = ("--mesh-secret-file", str(secret_file))
     prefill = await start_worker(
-        tiny_llama_dir, "prefill", *secret, "--advertise-address", relay_server.address
+        tiny_llama_dir,
+        "prefill",
+        *secret,
+        "--advertise-address",
+        relay_server.address,
+        caller=ROUTER,
     )
-    decode = await start_worker(tiny_llama_dir, "decode", *secret)
+    decode = await start_worker(tiny_llama_dir, "decode", *secret, caller=ROUTER)
     relay.target = worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(prefill.address))
-    yield Stack(
-        prefill,
-        decode,
-        relay,
-        member_stub(prefill.address, MeshRole.ROUTER, "router"),
-        member_stub(decode.address, MeshRole.ROUTER, "router"),
-    )
+    yield Stack(prefill, decode, relay)
     await asyncio.gather(prefill.stop(), decode.stop(), relay_server.stop(0))
 
 
@@ -179,7 +187,7 @@ async def test_a_lease_this_stack_did_not_sign_is_refused_with_nothing_dialled(
     server.close()
     assert connections == []
     assert await all_idle([stack.decode.stub])
-    await stack.router.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=genuine.lease.lease_id))
+    await stack.prefill.stub.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=genuine.lease.lease_id))
     assert await all_idle([stack.prefill.stub])
 
 
@@ -211,13 +219,15 @@ async def test_forged_kv_never_reaches_the_prefix_cache(
     stats = await stack.decode.stub.Stats(worker_pb2.StatsRequest(include_block_hashes=True))
     assert not set(prefilled.lease.block_hashes) & set(stats.cached_block_hashes)
     assert await all_idle([stack.decode.stub])
-    await stack.router.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id))
+    await stack.prefill.stub.ReleaseKv(
+        worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id)
+    )
 
     # The victim's own request, after: its KV is pulled afresh and its tokens are the model's.
     stack.relay.tamper = _unchanged
     victim = request("victim", PROMPT)
     prefilled = await stack.prefill_for_decode(victim)
-    call = stack.router_on_decode.Decode(timeout=30)
+    call = stack.decode.stub.Decode(timeout=30)
     await call.write(decode_start(victim, prefilled))
     result = await collect(call)
     assert result.token_ids == expected
@@ -232,7 +242,9 @@ async def test_the_lease_ttl_is_the_workers_a_caller_may_only_shorten_it(stack: 
     assert longest.lease.expires_unix_ms <= asked_at_ms + worker_ttl_ms + 1_000
     assert shorter.lease.expires_unix_ms <= asked_at_ms + 2_000 + 1_000
     for prefilled in (longest, shorter):
-        await stack.router.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id))
+        await stack.prefill.stub.ReleaseKv(
+            worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id)
+        )
     assert await all_idle([stack.prefill.stub])
 
 
@@ -261,15 +273,21 @@ async def test_only_the_lease_holders_pull_or_release_it(stack: Stack) -> None:
     release = worker_pb2.ReleaseKvRequest(lease_id=lease.lease_id)
     address = stack.prefill.address
     strangers = [
-        stack.prefill.stub,  # no identity at all
-        member_stub(address, MeshRole.WORKER, "127.0.0.1:1"),  # another worker of the stack
-        member_stub(address, MeshRole.GATEWAY, "gateway"),
+        # No identity at all: refused by the membership check.
+        (worker_pb2_grpc.WorkerStub(grpc.aio.insecure_channel(address)), "UNAUTHENTICATED"),
         # The puller's name with a token another stack's secret made.
-        member_stub(address, MeshRole.WORKER, stack.decode.address, MeshKeys.from_secret("x")),
+        (
+            member_stub(address, MeshRole.WORKER, stack.decode.address, MeshKeys.from_secret("x")),
+            "UNAUTHENTICATED",
+        ),
+        # A member whose role may not touch leases.
+        (member_stub(address, MeshRole.GATEWAY, "gateway"), "PERMISSION_DENIED"),
+        # Another worker of the stack: a member that may pull, but not this lease.
+        (member_stub(address, MeshRole.WORKER, "127.0.0.1:1"), "PERMISSION_DENIED"),
     ]
-    for stranger in strangers:
-        assert await _status_of(stranger.ReleaseKv(release)) == grpc.StatusCode.PERMISSION_DENIED
-        assert await _status_of(stranger.PullKv(_pull(lease))) == grpc.StatusCode.PERMISSION_DENIED
+    for stranger, status in strangers:
+        assert (await _status_of(stranger.ReleaseKv(release))).name == status
+        assert (await _status_of(stranger.PullKv(_pull(lease)))).name == status
     assert (await stack.prefill.stats()).active_leases == 1
     puller = member_stub(address, MeshRole.WORKER, stack.decode.address)
     chunks = [chunk async for chunk in puller.PullKv(_pull(lease))]
@@ -287,7 +305,9 @@ async def test_a_pull_names_each_block_once_and_in_range(stack: Stack) -> None:
         assert status == grpc.StatusCode.INVALID_ARGUMENT, indices
     chunks = [chunk async for chunk in puller.PullKv(_pull(prefilled.lease, [2, 0]))]
     assert [c.block_index for c in chunks] == [2, 0]
-    await stack.router.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id))
+    await stack.prefill.stub.ReleaseKv(
+        worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id)
+    )
     assert await all_idle([stack.prefill.stub])
 
 
@@ -336,5 +356,7 @@ async def test_every_bound_is_checked_at_the_worker(stack: Stack) -> None:
         error = await stack.decode_error(message)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert (error.details() or "").startswith(field)
-        await stack.router.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=genuine.lease.lease_id))
+        await stack.prefill.stub.ReleaseKv(
+            worker_pb2.ReleaseKvRequest(lease_id=genuine.lease.lease_id)
+        )
     assert await all_idle([stack.prefill.stub, stack.decode.stub])

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import grpc
 
+from kvmesh.channels import insecure_channel
 from kvmesh.config import load_config
+from kvmesh.mesh_auth import MeshMember
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.__main__ import Worker, build_worker
 from services.worker.config import WorkerConfig
@@ -70,11 +72,14 @@ class InProcessWorker:
         await self.worker.stop()
 
 
-async def start_worker(model: Path, role: str, *extra: str) -> InProcessWorker:
-    """Builds and starts a worker on a free port."""
+async def start_worker(
+    model: Path, role: str, *extra: str, caller: MeshMember | None = None
+) -> InProcessWorker:
+    """Builds and starts a worker on a free port; the test's channel to it calls as `caller`
+    (a member of the worker's stack, when it has a mesh secret)."""
     worker = build_worker(load_config(WorkerConfig, worker_args(model, role, *extra)))
     await worker.start()
-    return InProcessWorker(worker, grpc.aio.insecure_channel(worker.server.address))
+    return InProcessWorker(worker, insecure_channel(worker.server.address, member=caller))
 
 
 def request(

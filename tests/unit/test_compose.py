@@ -21,6 +21,7 @@ import yaml
 from kvmesh.stack import (
     StackOptions,
     StackService,
+    mesh_secret_path,
     plan_stack,
     plan_workers,
     pools_document,
@@ -110,7 +111,9 @@ def test_compose_runs_the_services_of_kvmesh_up(compose: dict[str, Any]) -> None
     kvmesh_services = {
         name
         for name, spec in compose.items()
-        if spec.get("command", [])[:2] == ["python", "-m"] and "gpu" not in spec.get("profiles", [])
+        if spec.get("command", [])[:2] == ["python", "-m"]
+        and "gpu" not in spec.get("profiles", [])
+        and not one_shot(spec)
     }
     assert kvmesh_services == {service.name for service in plan_stack(StackOptions())}
 
@@ -134,10 +137,26 @@ def test_gateway_and_openai_door_are_published_on_their_ports(compose: dict[str,
 
 def test_config_files_are_mounted_where_the_flags_point(compose: dict[str, Any]) -> None:
     assert f"./deploy/pools.yaml:{pools_path(COMPOSE_OPTIONS)}:ro" in compose["router"]["volumes"]
-    tenants_mounts = [v for v in compose["gateway"]["volumes"] if ":/etc/kvmesh/" in v]
+    tenants_mounts = [v for v in compose["gateway"]["volumes"] if v.endswith("tenants.yaml:ro")]
     assert tenants_mounts == [
         f"${{KVMESH_TENANTS_FILE:-./deploy/tenants.yaml}}:{COMPOSE_OPTIONS.tenants}:ro"
     ]
+
+
+@pytest.mark.parametrize("service", PLAN, ids=lambda s: s.name)
+def test_the_mesh_secret_is_made_once_and_mounted_where_the_flag_points(
+    compose: dict[str, Any], service: StackService
+) -> None:
+    secret = mesh_secret_path(COMPOSE_OPTIONS.state_dir)
+    maker = compose["mesh-secret"]
+    assert maker["command"] == ["python", "-m", "kvmesh.mesh_keys", str(secret)]
+    assert maker["volumes"] == [f"mesh-secrets:{secret.parent}"]
+    spec = compose[service.name]
+    if "--mesh-secret-file" not in service.args:  # the OpenAI door: a client of the gateway
+        assert "mesh-secret" not in spec.get("depends_on", {})
+        return
+    assert f"mesh-secrets:{secret.parent}:ro" in spec["volumes"]
+    assert spec["depends_on"]["mesh-secret"] == {"condition": "service_completed_successfully"}
 
 
 def test_pools_file_matches_the_plan() -> None:
@@ -155,10 +174,17 @@ def test_demo_tenant_file_holds_the_documented_key() -> None:
     assert [t.key_sha256 for t in tenants] == [hash_key(DEMO_API_KEY)]
 
 
+def one_shot(spec: dict[str, Any]) -> bool:
+    """A set-up step that runs once and exits (restart: "no")."""
+    return bool(spec.get("restart") == "no")
+
+
 def test_dependencies_wait_for_health(compose: dict[str, Any]) -> None:
     for name, spec in compose.items():
         for target, rule in spec.get("depends_on", {}).items():
             wanted = "service_healthy" if "healthcheck" in compose[target] else "service_started"
+            if one_shot(compose[target]):
+                wanted = "service_completed_successfully"
             assert rule == {"condition": wanted}, f"{name} -> {target}"
     assert set(compose["gateway"]["depends_on"]) >= {"redis", "cache", "router"}
     assert set(compose["cache"]["depends_on"]) >= {"redis"}
