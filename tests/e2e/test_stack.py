@@ -71,7 +71,10 @@ def port_free(port: int) -> bool:
 
 def pick_offset() -> int:
     """A port offset under which every port a 3-worker stack uses is free."""
-    for offset in range(2000, 9000, 137):
+    # Started at a point of its own, so that suites run side by side (other checkouts on one
+    # machine) rarely probe the same ranges at the same moment.
+    first = 2000 + 137 * (os.getpid() % 40)
+    for offset in [*range(first, 9000, 137), *range(2000, first, 137)]:
         ports = [50051 + offset + i for i in range(20)] + [9451 + offset + i for i in range(20)]
         ports.append(OPENAI_HTTP_PORT + offset)
         if all(port_free(p) for p in ports):
@@ -153,17 +156,19 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     proc.stdout.close()  # the reader alone holds the pipe, as tee does
     running = RunningStack(proc, reader, f"127.0.0.1:{gateway_port}", offset, state, spans)
     ready = threading.Event()
+    became_ready: list[bool] = []
 
     def pump() -> None:
         assert reader.stdout is not None
         for line in reader.stdout:
             running.output.append(line)
             if "gateway ready at" in line:
+                became_ready.append(True)
                 ready.set()
-        ready.set()
+        ready.set()  # the output ended: kvmesh up stopped, ready or not
 
     threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(240) or proc.poll() is not None:
+    if not ready.wait(240) or not became_ready or proc.poll() is not None:
         proc.kill()
         pytest.fail("kvmesh up did not become ready:\n" + "".join(running.output[-60:]))
     yield running
