@@ -4,7 +4,8 @@
     .venv/bin/python -m bench.all --quick    # fewer requests and shorter runs
 
 Each script runs in its own process (they load models and start meshes of their own) and
-rewrites only its own section of BENCHMARKS.md. vllm_vs_native runs only where vllm imports.
+rewrites only its own section of BENCHMARKS.md. vllm_vs_native runs only where vllm imports,
+vllm_serve only where `make test-vllm` built .venv-vllm.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 # script -> the arguments that make it short under --quick.
 QUICK_ARGS: dict[str, tuple[str, ...]] = {
@@ -22,15 +24,19 @@ QUICK_ARGS: dict[str, tuple[str, ...]] = {
     "disagg": ("--duration-s", "20", "--skip-agreement"),
     "admission": ("--interactive", "10", "--cache-hits", "50", "--batch-max-in-flight", "1"),
     "mesh": ("--quick",),
+    "openai_http": ("--quick",),
+    "vllm_serve": ("--quick",),
     "vllm_vs_native": ("--requests", "8", "--output-tokens", "32"),
 }
 
 
 def scripts() -> list[str]:
     """The benchmarks this environment can run, in order."""
-    names = ["engine", "disagg", "admission", "mesh"]
+    names = ["engine", "disagg", "admission", "mesh", "openai_http"]
     if importlib.util.find_spec("vllm") is not None:
         names.append("vllm_vs_native")
+    if Path(".venv-vllm/bin/python").exists():  # vllm_serve's client and server run there
+        names.append("vllm_serve")
     return names
 
 
