@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -146,7 +146,7 @@ async def answer(door: Door, plan: Plan, request: Request) -> Response:
 
 
 @contextlib.contextmanager
-def _caller_trace(request: Request) -> Any:
+def _caller_trace(request: Request) -> Iterator[None]:
     """Continues the caller's W3C trace (traceparent header) into the gateway call."""
     token = otel_context.attach(propagate.extract(dict(request.headers)))
     try:

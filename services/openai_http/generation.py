@@ -67,9 +67,8 @@ class Generation:
             self._tasks.append(asyncio.create_task(self._run(index, gate)))
 
     async def events(self) -> AsyncIterator[Event]:
-        """Every event until each choice has its result, or up to the first error."""
-        if not self._tasks:
-            self.start()
+        """Every event until each choice has its result, or up to the first error (after
+        start())."""
         remaining = len(self._tasks)
         while remaining:
             event = await self._queue.get()
