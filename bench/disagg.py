@@ -241,7 +241,7 @@ class Prompts:
     _tokenizer: Any = field(init=False)
 
     def __post_init__(self) -> None:
-        from services.worker.engine.tokenizer import Tokenizer
+        from kvmesh.contracts.tokenizer import Tokenizer
 
         self._rng = random.Random(self.seed)
         self._tokenizer = Tokenizer.from_model_path(self.model)

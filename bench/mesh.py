@@ -42,6 +42,7 @@ from rich.table import Table
 
 from bench.report import RESULTS, repeat_command, write_results, write_section
 from kvmesh.bench_report import RequestResult, Slo, summarize
+from kvmesh.contracts.tokenizer import Tokenizer
 from kvmesh.loadgen import LoadSpec, build_requests, run_load
 from kvmesh.stack import (
     OPENAI_HTTP_PORT,
@@ -57,7 +58,6 @@ from services.worker.backends import create_engine
 from services.worker.backends.interface import EngineBackend
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.request import EngineRequest, SamplingParams
-from services.worker.engine.tokenizer import Tokenizer
 
 HEADING = "## Mesh vs engine"
 THROUGHPUT_GOAL = 0.9

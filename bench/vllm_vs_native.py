@@ -105,7 +105,7 @@ async def run_engine(kind: str, args: argparse.Namespace, prompt: list[int]) -> 
 
 def bench_prompt(args: argparse.Namespace) -> list[int]:
     """`--prompt-tokens` tokens of plain English, the same for both engines."""
-    from services.worker.engine.tokenizer import Tokenizer
+    from kvmesh.contracts.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_model_path(args.model)
     text = " ".join(["The quick brown fox jumps over the lazy dog while the cat sleeps."] * 40)

@@ -9,8 +9,11 @@ from typing import Any
 import grpc
 from opentelemetry import propagate
 
-from kvmesh.grpc_server import MAX_MESSAGE_BYTES
 from kvmesh.mesh_auth import MeshMember
+
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+"""gRPC message size limit in both directions, on channels and servers (KV chunks stay at or
+under 1 MiB)."""
 
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -282,7 +282,7 @@ def add_tenants_command(commands: Commands) -> None:
 
 
 def cmd_tenants_add(args: argparse.Namespace) -> int:
-    from services.admission.tenants import PriorityClass, Tenant, TenantFileError, add_tenant
+    from kvmesh.tenants import PriorityClass, Tenant, TenantFileError, add_tenant
 
     template = Tenant(
         name=args.name,

@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, start_http_server
 
+from kvmesh.channels import MAX_MESSAGE_BYTES
 from kvmesh.config import ServerConfig
 from kvmesh.errors import Internal, InvalidArgument, KvmeshError, Unimplemented
 from kvmesh.mesh_auth import MeshGuard
@@ -39,9 +40,6 @@ log = logging.getLogger(__name__)
 
 READY_PREFIX = "KVMESH_READY "
 """Start of the line a service prints once it serves: the prefix, then a JSON object."""
-
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-"""gRPC message size limit in both directions (KV chunks stay at or under 1 MiB)."""
 
 RPC_ERRORS = Counter(
     "kvmesh_rpc_errors_total",

@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 
 from kvmesh.contracts.constraints import checked_constraint
+from kvmesh.contracts.sampling import MAX_LOGPROBS
 from kvmesh.errors import InvalidArgument
 from kvmesh.v1 import common_pb2
 
@@ -29,7 +30,6 @@ MAX_STOP_STRINGS = 64
 be lower)."""
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
-MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 10.0
 MAX_OUTPUT_TOKENS = 1 << 16
 """The most tokens any service generates for one request (the gateway's own limit and the

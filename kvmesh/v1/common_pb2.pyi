@@ -908,7 +908,12 @@ class KvLease(_message.Message):
     """
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """Chained prefix-cache hashes of the leased blocks, in order."""
+        """Chained prefix-cache hashes of the leased blocks, in order (the last block may be partial).
+        Block i's hash is the 16-byte blake2b of: len(parent) as uint32 little-endian, parent (block
+        i-1's hash, empty for i = 0), len(fingerprint) as uint32 LE, model_fingerprint as UTF-8,
+        len(cache_salt) as uint32 LE, cache_salt, then each token id of the block as uint32 LE.
+        Defined by kvmesh/contracts/block_hashes.py, pinned by a golden vector in its tests.
+        """
 
     @_builtins.property
     def layout(self) -> Global___KvLayout:

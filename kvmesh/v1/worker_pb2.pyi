@@ -382,7 +382,9 @@ class WorkerStats(_message.Message):
     """Longest prompt + output the model accepts."""
     @_builtins.property
     def cached_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """Cached block hashes (when asked for), for prefix-affinity placement."""
+        """Cached block hashes (when asked for), for prefix-affinity placement: full blocks only,
+        chained as KvLease.block_hashes is (common.proto).
+        """
 
     @_builtins.property
     def layout(self) -> _common_pb2.KvLayout:

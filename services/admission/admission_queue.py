@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvmesh.errors import DeadlineExceeded, ResourceExhausted
+from kvmesh.tenants import PriorityClass
 from services.admission import metrics
-from services.admission.tenants import PriorityClass
 
 _SMOOTHING = 0.2
 """Weight of the newest sample in the moving average of slot hold times."""

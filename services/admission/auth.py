@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvmesh.errors import PermissionDenied, Unauthenticated
-from services.admission.tenants import PriorityClass, Tenant, TenantRegistry
+from kvmesh.tenants import PriorityClass, Tenant, TenantRegistry
 
 AUTHORIZATION = "authorization"
 _SCHEME = "bearer "

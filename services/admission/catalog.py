@@ -15,16 +15,15 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from kvmesh.contracts.sampling import AUTO_MODEL
+from kvmesh.contracts.tokenizer import Tokenizer
 from kvmesh.errors import InvalidArgument, KvmeshError, Unavailable
 
 log = logging.getLogger(__name__)
 
-AUTO_MODEL = "auto"
-"""Model name that lets the router choose the tier by difficulty."""
-
 
 class TokenizerLike(Protocol):
-    """What the gateway needs of a tokenizer (services.worker.engine.tokenizer.Tokenizer)."""
+    """What the gateway needs of a tokenizer (contracts.tokenizer.Tokenizer; tests fake it)."""
 
     vocab_size: int
 
@@ -52,14 +51,6 @@ class ModelSpec:
     fallback: str = ""
 
 
-def load_engine_tokenizer(spec: str) -> TokenizerLike:
-    """The engine's tokenizer for a model spec (imports no torch)."""
-    from services.worker.engine.tokenizer import Tokenizer
-
-    tokenizer: TokenizerLike = Tokenizer.from_model_path(spec)
-    return tokenizer
-
-
 class ModelCatalog:
     """Tiers by id, kept fresh from the router, with their tokenizers."""
 
@@ -71,7 +62,7 @@ class ModelCatalog:
         default_tokenizer: str,
         default_model: str = "",
         refresh_s: float = 10.0,
-        load_tokenizer: Callable[[str], TokenizerLike] = load_engine_tokenizer,
+        load_tokenizer: Callable[[str], TokenizerLike] = Tokenizer.from_model_path,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._fetch = fetch

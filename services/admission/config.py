@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from kvmesh.config import ServerConfig
+from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,7 +56,7 @@ class AdmissionConfig(ServerConfig):
     """Interactive requests that may wait for a slot; more are shed."""
     batch_queue: int = 1024
     """Batch requests that may wait for a slot; more are shed."""
-    default_max_tokens: int = 256
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     """max_tokens of requests that set none (lowered to fit the model's context)."""
     max_tokens_limit: int = 4096
     """Largest max_tokens a request may ask for."""

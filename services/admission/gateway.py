@@ -18,6 +18,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from kvmesh.contracts.sampling import AUTO_MODEL, is_deterministic
 from kvmesh.errors import (
     DeadlineExceeded,
     KvmeshError,
@@ -25,7 +26,9 @@ from kvmesh.errors import (
     QuotaViolation,
     ResourceExhausted,
 )
+from kvmesh.streams import run_unless_cancelled
 from kvmesh.telemetry import tracer
+from kvmesh.tenants import PriorityClass, Tenant, TenantRegistry
 from kvmesh.v1 import cache_pb2, common_pb2, gateway_pb2
 from services.admission import metrics
 from services.admission.admission_queue import AdmissionQueue, Ticket
@@ -35,7 +38,7 @@ from services.admission.auth import (
     authorize_priority,
     authorize_usage_read,
 )
-from services.admission.catalog import AUTO_MODEL, ModelCatalog, ModelSpec, TokenizerLike
+from services.admission.catalog import ModelCatalog, ModelSpec, TokenizerLike
 from services.admission.concurrency import ConcurrencyLimits, Slot
 from services.admission.downstream import CacheClient, RouterClient
 from services.admission.holdings import Holdings
@@ -43,7 +46,6 @@ from services.admission.idempotency import Claim, IdempotencyStore
 from services.admission.metering import ModelTotals, UsageMeter
 from services.admission.pricing import PriceTable, request_cost
 from services.admission.quotas import Quotas, Reservation
-from services.admission.tenants import PriorityClass, Tenant, TenantRegistry
 from services.admission.transcript import Transcript, cache_hit_chunks
 from services.admission.validation import (
     RequestLimits,
@@ -51,8 +53,6 @@ from services.admission.validation import (
     checked_sampling,
     prompt_token_ids,
 )
-from services.cache.keys import is_deterministic
-from services.streams import run_unless_cancelled
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)

@@ -20,8 +20,8 @@ from typing import Protocol
 from redis.asyncio import Redis
 
 from kvmesh.errors import InvalidArgument, QuotaViolation, ResourceExhausted
+from kvmesh.tenants import Tenant
 from services.admission.failover import Failover, StoreDown, redis_calls
-from services.admission.tenants import Tenant
 
 log = logging.getLogger(__name__)
 

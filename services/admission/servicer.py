@@ -11,9 +11,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.streams import CancelWatch, first_message
 from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.admission.gateway import Gateway
-from services.streams import CancelWatch, first_message
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import jinja2
 
+from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS
 from kvmesh.errors import InvalidArgument
 from kvmesh.request_limits import (
     MAX_ID_CHARS,
@@ -19,9 +20,9 @@ from kvmesh.request_limits import (
     check_labels,
     check_sampling,
 )
+from kvmesh.tenants import PriorityClass
 from kvmesh.v1 import common_pb2, gateway_pb2
 from services.admission.catalog import ModelSpec, TokenizerLike
-from services.admission.tenants import PriorityClass
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 MAX_CHAT_MESSAGES = 512
@@ -37,7 +38,7 @@ _PRIORITIES = {
 class RequestLimits:
     """Gateway-wide bounds on a request, within the mesh's (kvmesh/request_limits.py)."""
 
-    default_max_tokens: int = 256
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_tokens_limit: int = 4096
     max_stop_strings: int = 8
 

@@ -11,6 +11,7 @@ from kvmesh.channels import insecure_channel
 from kvmesh.grpc_server import StopHook
 from kvmesh.mesh_auth import GATEWAY_MEMBER_NAME, MeshMember, MeshRole
 from kvmesh.mesh_keys import MeshKeys
+from kvmesh.tenants import TenantRegistry
 from services.admission.admission_queue import AdmissionQueue, QueueLimits
 from services.admission.catalog import ModelCatalog, parse_tier_map
 from services.admission.concurrency import ConcurrencyLimits, MemorySlots, RedisSlots
@@ -21,7 +22,6 @@ from services.admission.idempotency import IdempotencyStore
 from services.admission.metering import MemoryMeter, RedisMeter, UsageMeter
 from services.admission.pricing import PriceTable, parse_price_overrides
 from services.admission.quotas import MemoryCounters, Quotas, RedisCounters
-from services.admission.tenants import TenantRegistry
 from services.admission.transcript import Transcript
 from services.admission.validation import RequestLimits
 

@@ -11,12 +11,6 @@ SHARED_SCOPE = "shared"
 """Scope of entries from tenants that opted into the shared cache."""
 
 
-def is_deterministic(sampling: common_pb2.SamplingParams) -> bool:
-    """Greedy decoding, or sampling with a fixed seed, gives the same answer every time."""
-    greedy = not sampling.HasField("temperature") or sampling.temperature == 0.0
-    return greedy or sampling.HasField("seed")
-
-
 def _sampling_fields(sampling: common_pb2.SamplingParams) -> bytes:
     """Every sampling field with its presence, in field-number order (unset differs from zero)."""
     parts: list[bytes] = []

@@ -11,10 +11,11 @@ import logging
 import time
 from dataclasses import dataclass
 
+from kvmesh.contracts.sampling import is_deterministic
 from kvmesh.v1 import cache_pb2, common_pb2
 from services.cache import metrics
 from services.cache.backends import BackendUnavailable, CacheBackend
-from services.cache.keys import cache_key, is_deterministic
+from services.cache.keys import cache_key
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS
 from services.router.tiers import AutoRule
 
 DIFFICULTY_LABEL = "difficulty"
 """Request label that overrides the length rule: "easy" or "hard"."""
-
-DEFAULT_MAX_TOKENS = 256
-"""max_tokens the engine applies when the request leaves it unset."""
 
 _EASY = frozenset({"easy", "low", "simple"})
 _HARD = frozenset({"hard", "high", "complex"})

@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from kvmesh.contracts.sampling import AUTO_MODEL
 from kvmesh.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -44,6 +45,7 @@ from kvmesh.errors import (
     Unavailable,
 )
 from kvmesh.rpc_status import error_from_rpc
+from kvmesh.streams import Coalescer, run_unless_cancelled
 from kvmesh.v1 import common_pb2, worker_pb2
 from services.router import metrics
 from services.router.difficulty import choose_auto_tier
@@ -51,11 +53,9 @@ from services.router.monitor import WorkerMonitor
 from services.router.peers import Peers
 from services.router.placement import Plan, TierChoice, place, resolve_tier
 from services.router.pools import PoolRegistry
-from services.streams import Coalescer, run_unless_cancelled
 
 log = logging.getLogger(__name__)
 
-AUTO_MODEL = "auto"
 MAX_ATTEMPTS = 2
 """The first try and one retry."""
 RELEASE_TIMEOUT_S = 2.0

@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from kvmesh.contracts.block_hashes import hash_block_chain
 from kvmesh.errors import Unavailable
 from services.router.pools import PoolRegistry, Role, WorkerState
-from services.worker.engine.kv_cache_manager import hash_block_chain
 
 
 @dataclass(slots=True, frozen=True)

@@ -17,12 +17,12 @@ import grpc
 
 from kvmesh.errors import InvalidArgument
 from kvmesh.request_limits import check_inference_request
+from kvmesh.streams import CancelWatch, Coalescer, first_message
 from kvmesh.telemetry import in_span, tracer
 from kvmesh.v1 import common_pb2, gateway_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.router.monitor import WorkerMonitor
 from services.router.orchestrator import Orchestrator
 from services.router.pools import PoolRegistry, Role, WorkerState
-from services.streams import CancelWatch, Coalescer, first_message
 
 _tracer = tracer(__name__)
 

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvmesh.config import ServerConfig
-from services.worker.backends import ENGINE_KINDS
 
+ENGINE_KINDS = ("native", "vllm")
+"""Engine backends a worker can run (services/worker/backends)."""
 ROLES = ("prefill", "decode", "both")
 
 

@@ -42,9 +42,9 @@ from kvmesh.errors import (
 from kvmesh.mesh_auth import MeshMember, MeshRole, caller_of
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.rpc_status import error_from_rpc
+from kvmesh.streams import CancelWatch, Coalescer, first_message, run_unless_cancelled
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.streams import CancelWatch, Coalescer, first_message, run_unless_cancelled
 from services.worker import metrics
 from services.worker.config import WorkerConfig
 from services.worker.convert import engine_request, finished, layout_proto, token_chunk

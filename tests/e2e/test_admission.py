@@ -39,8 +39,8 @@ from kvmesh.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from kvmesh.tenants import PriorityClass, Tenant, add_tenant
 from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.admission.tenants import PriorityClass, Tenant, add_tenant
 from tests.procs import ServiceProcess, start_service
 
 pytestmark = pytest.mark.e2e

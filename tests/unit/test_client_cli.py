@@ -22,9 +22,9 @@ from kvmesh.client import (
 )
 from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.stack import StackOptions
+from kvmesh.tenants import PriorityClass, TenantRegistry, load_tenants
 from kvmesh.up import try_command
 from kvmesh.v1 import common_pb2
-from services.admission.tenants import PriorityClass, TenantRegistry, load_tenants
 
 
 def test_build_request_maps_every_option() -> None:

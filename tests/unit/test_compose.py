@@ -168,7 +168,7 @@ def test_pools_file_matches_the_plan() -> None:
 
 
 def test_demo_tenant_file_holds_the_documented_key() -> None:
-    from services.admission.tenants import hash_key, load_tenants
+    from kvmesh.tenants import hash_key, load_tenants
 
     tenants = load_tenants(DEPLOY / "tenants.yaml")
     assert [t.key_sha256 for t in tenants] == [hash_key(DEMO_API_KEY)]

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvmesh.errors import InvalidArgument
-from services.streams import CancelWatch, Coalescer, first_message, run_unless_cancelled
+from kvmesh.streams import CancelWatch, Coalescer, first_message, run_unless_cancelled
 
 
 async def _items(values: list[str], gate: asyncio.Event | None = None) -> AsyncIterator[str]:

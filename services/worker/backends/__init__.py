@@ -8,9 +8,8 @@ without the `kvmesh[vllm]` extra never touch it.
 from __future__ import annotations
 
 from services.worker.backends.interface import EngineBackend
+from services.worker.config import ENGINE_KINDS
 from services.worker.engine.config import EngineConfig
-
-ENGINE_KINDS = ("native", "vllm")
 
 __all__ = ["ENGINE_KINDS", "EngineBackend", "create_engine"]
 

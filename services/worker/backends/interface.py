@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from kvmesh.contracts.tokenizer import Tokenizer
 from services.worker.engine.engine import EngineStats
 from services.worker.engine.model_runner import KvLayout
 from services.worker.engine.request import EngineRequest, ImportPlan, KvHandle, RequestOutput
-from services.worker.engine.tokenizer import Tokenizer
 
 
 class EngineBackend(Protocol):

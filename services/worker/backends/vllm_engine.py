@@ -43,18 +43,15 @@ from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from kvmesh.contracts.block_hashes import hash_block_chain
+from kvmesh.contracts.model_files import resolve_model_path
 from services.worker.backends import vllm_connector
 from services.worker.backends.kv_files import BlockFiles, make_store_dir
 from services.worker.backends.kv_wire import WIRE_FORMATS
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import THROUGHPUT_WINDOW_S, EngineStats
-from services.worker.engine.kv_cache_manager import KvCapacityError, cdiv, hash_block_chain
-from services.worker.engine.loader import (
-    LoadedModel,
-    load_model,
-    resolve_model_path,
-    save_hf_folder,
-)
+from services.worker.engine.kv_cache_manager import KvCapacityError, cdiv
+from services.worker.engine.loader import LoadedModel, load_model, save_hf_folder, torch_dtype
 from services.worker.engine.model_runner import KvLayout, dtype_name
 from services.worker.engine.request import (
     EngineRequest,
@@ -153,7 +150,9 @@ class VllmEngine:
         self.config = config
         self._wire_format = kv_wire_format
         self._work_dir = make_store_dir()
-        loaded = load_model(config.model, device=config.device, dtype=config.torch_dtype())
+        loaded = load_model(
+            config.model, device=config.device, dtype=torch_dtype(config.dtype, config.device)
+        )
         self.tokenizer = loaded.tokenizer
         self.fingerprint = loaded.fingerprint
         self.model_name = loaded.name

@@ -1,13 +1,11 @@
-"""EngineConfig: every knob of one engine instance, typed, with its meaning."""
+"""EngineConfig: every knob of one engine instance, typed, with its meaning (imports no torch)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")
 SMALL_BATCH_LINEAR = ("auto", "kernel", "torch")
@@ -66,10 +64,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(
-                f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}"
-            )
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         choices = {
             "quantization": (self.quantization, QUANTIZATIONS),
             "decode_attention": (self.decode_attention, DECODE_ATTENTION),
@@ -93,12 +89,6 @@ class EngineConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-
-    def torch_dtype(self) -> torch.dtype:
-        """The dtype to load with, "auto" resolved for the device."""
-        if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        return torch.bfloat16 if torch.device(self.device).type == "cuda" else torch.float32
 
     def replace(self, **overrides: object) -> EngineConfig:
         """A copy with some fields changed (unknown names raise TypeError)."""

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.contracts.tokenizer import IncrementalDetokenizer
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.decode_kernel import choose_decode_kernel
 from services.worker.engine.kv_cache_manager import KvCacheManager, KvCapacityError, cdiv
 from services.worker.engine.linear_kernel import choose_linear_kernel
-from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.loader import LoadedModel, load_model, torch_dtype
 from services.worker.engine.model_runner import BatchEntry, KvLayout, ModelRunner
 from services.worker.engine.models import StepInterrupted
 from services.worker.engine.output_processor import OutputProcessor
@@ -38,7 +39,6 @@ from services.worker.engine.request import (
 )
 from services.worker.engine.sampler import Sampler, SampleRow
 from services.worker.engine.scheduler import ScheduledChunk, Scheduler
-from services.worker.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Engine:
         loaded = load_model(
             config.model,
             device=config.device,
-            dtype=config.torch_dtype(),
+            dtype=torch_dtype(config.dtype, config.device),
             quantization=config.quantization,
         )
         return cls(loaded, config)

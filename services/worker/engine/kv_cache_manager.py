@@ -7,49 +7,15 @@ freeing a request, a handle or an import always returns every block it took.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 
+from kvmesh.contracts.block_hashes import ROOT_PARENT_HASH, hash_block
 from services.worker.engine.block_pool import BlockKey, BlockPool
 from services.worker.engine.request import RequestState
-
-# Parent hash of the first block of every sequence.
-ROOT_PARENT_HASH = b""
-BLOCK_HASH_BYTES = 16
 
 
 class KvCapacityError(RuntimeError):
     """The block pool cannot hold the blocks asked for."""
-
-
-def hash_block(
-    parent_hash: bytes, token_ids: Sequence[int], fingerprint: str, cache_salt: bytes = b""
-) -> bytes:
-    """Chained hash of one block: 16 bytes of blake2b over parent, model, salt and tokens.
-
-    Each variable-length part is length-prefixed so no two different inputs share an
-    encoding; token ids are little-endian uint32, so the hash is the same on every machine
-    (the worker sends these hashes on the wire to name blocks).
-    """
-    digest = hashlib.blake2b(digest_size=BLOCK_HASH_BYTES)
-    for part in (parent_hash, fingerprint.encode(), cache_salt):
-        digest.update(len(part).to_bytes(4, "little"))
-        digest.update(part)
-    digest.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    return digest.digest()
-
-
-def hash_block_chain(
-    token_ids: Sequence[int], block_size: int, fingerprint: str, cache_salt: bytes = b""
-) -> list[bytes]:
-    """Hashes of every block of token_ids, the last one over a partial block if any."""
-    hashes: list[bytes] = []
-    parent = ROOT_PARENT_HASH
-    for start in range(0, len(token_ids), block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size], fingerprint, cache_salt)
-        hashes.append(parent)
-    return hashes
 
 
 def cdiv(a: int, b: int) -> int:

@@ -18,15 +18,15 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.worker.engine.model_files import (
+from kvmesh.contracts.model_files import (
     ModelLoadError,
     model_name,
     read_json,
     resolve_model_path,
 )
+from kvmesh.contracts.tokenizer import Tokenizer
 from services.worker.engine.models.llama import LlamaModel, ModelConfig, split_rope_rows
 from services.worker.engine.quant import quantize_model_int8
-from services.worker.engine.tokenizer import Tokenizer
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model_path", "save_hf_folder"]
 
@@ -64,6 +64,14 @@ class LoadedModel:
     quantization: str  # "none" | "int8"
     dtype: torch.dtype
     device: torch.device
+
+
+def torch_dtype(name: str, device: str) -> torch.dtype:
+    """The torch dtype of an EngineConfig.dtype name, "auto" resolved for the device (float32 on
+    CPU, which has no fast bf16 here; bfloat16 on CUDA)."""
+    if name != "auto":
+        return getattr(torch, name)  # type: ignore[no-any-return]
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
 def load_model(

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvmesh.contracts.constraints import Constraint
+from kvmesh.contracts.sampling import DEFAULT_MAX_TOKENS, MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from services.worker.engine.output_processor import OutputProcessor
 
-MAX_LOGPROBS = 20
 # torch.Generator.manual_seed takes any value that fits in 64 bits.
 MAX_SEED = 2**64 - 1
 
@@ -42,7 +42,7 @@ class Priority(enum.IntEnum):
 class SamplingParams:
     """How to pick tokens and when to stop."""
 
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0

@@ -9,9 +9,9 @@ import pytest
 from redis.asyncio import Redis
 
 from kvmesh.errors import ResourceExhausted
+from kvmesh.tenants import Tenant
 from services.admission.metering import ModelTotals, RedisMeter
 from services.admission.quotas import MemoryCounters, Quotas, RedisCounters
-from services.admission.tenants import Tenant
 
 ACME = Tenant(name="acme", key_sha256="", tokens_per_minute=1000, daily_tokens=5000)
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from kvmesh.errors import DeadlineExceeded, ResourceExhausted
+from kvmesh.tenants import PriorityClass
 from services.admission.admission_queue import AdmissionQueue, QueueLimits, Ticket
-from services.admission.tenants import PriorityClass
 
 INTERACTIVE = PriorityClass.INTERACTIVE
 BATCH = PriorityClass.BATCH

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.errors import InvalidArgument, ResourceExhausted
+from kvmesh.tenants import Tenant
 from services.admission.quotas import MemoryCounters, Quotas
-from services.admission.tenants import Tenant
 
 
 class Clock:

@@ -8,14 +8,7 @@ import pytest
 import yaml
 
 from kvmesh.errors import PermissionDenied, Unauthenticated
-from services.admission.auth import (
-    authenticate,
-    authorize_model,
-    authorize_priority,
-    authorize_usage_read,
-    bearer_key,
-)
-from services.admission.tenants import (
+from kvmesh.tenants import (
     PriorityClass,
     Tenant,
     TenantFileError,
@@ -23,6 +16,13 @@ from services.admission.tenants import (
     add_tenant,
     hash_key,
     load_tenants,
+)
+from services.admission.auth import (
+    authenticate,
+    authorize_model,
+    authorize_priority,
+    authorize_usage_read,
+    bearer_key,
 )
 
 

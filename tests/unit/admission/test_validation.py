@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import pytest
 
 from kvmesh.errors import InvalidArgument
+from kvmesh.tenants import PriorityClass
 from kvmesh.v1 import common_pb2, gateway_pb2
 from services.admission.catalog import ModelSpec
-from services.admission.tenants import PriorityClass
 from services.admission.validation import (
     RequestLimits,
     check_envelope,

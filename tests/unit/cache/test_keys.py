@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvmesh.v1 import cache_pb2, common_pb2
-from services.cache.keys import cache_key, is_deterministic
+from services.cache.keys import cache_key
 
 
 def base_key() -> cache_pb2.CacheKey:
@@ -76,10 +76,3 @@ def test_shared_scope_ignores_tenant_and_differs_from_private() -> None:
     acme.shared = globex.shared = True
     assert cache_key(acme) == cache_key(globex)
     assert cache_key(acme) != private
-
-
-def test_deterministic_means_greedy_or_seeded() -> None:
-    assert is_deterministic(common_pb2.SamplingParams())
-    assert is_deterministic(common_pb2.SamplingParams(temperature=0.0))
-    assert is_deterministic(common_pb2.SamplingParams(temperature=0.8, seed=1))
-    assert not is_deterministic(common_pb2.SamplingParams(temperature=0.8))

@@ -1,35 +1,13 @@
-import hashlib
-import struct
-
 import pytest
 
+from kvmesh.contracts.block_hashes import hash_block, hash_block_chain
 from services.worker.engine.block_pool import BlockPool
-from services.worker.engine.kv_cache_manager import (
-    KvCacheManager,
-    KvCapacityError,
-    hash_block,
-    hash_block_chain,
-)
+from services.worker.engine.kv_cache_manager import KvCacheManager, KvCapacityError
 from services.worker.engine.request import RequestState
 from tests.unit.engine.factories import make_state
 
 FP = "fingerprint-1"
 BS = 4
-
-
-def spec_hash(parent: bytes, tokens: list[int], fingerprint: str, salt: bytes) -> bytes:
-    """The documented wire format, written out independently of the engine's code."""
-    fp = fingerprint.encode()
-    data = (
-        len(parent).to_bytes(4, "little")
-        + parent
-        + len(fp).to_bytes(4, "little")
-        + fp
-        + len(salt).to_bytes(4, "little")
-        + salt
-        + b"".join(struct.pack("<I", t) for t in tokens)
-    )
-    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def computed(kv: KvCacheManager, state: RequestState, num_tokens: int) -> None:
@@ -47,28 +25,6 @@ def admit(kv: KvCacheManager, state: RequestState) -> list[int]:
 
 def manager(num_blocks: int = 8) -> KvCacheManager:
     return KvCacheManager(BlockPool(num_blocks), BS, FP)
-
-
-def test_hash_block_matches_the_wire_format() -> None:
-    h0 = hash_block(b"", [1, 2, 3, 4], FP, b"salt")
-    assert h0 == spec_hash(b"", [1, 2, 3, 4], FP, b"salt")
-    assert len(h0) == 16
-    h1 = hash_block(h0, [5, 6], FP, b"salt")
-    assert h1 == spec_hash(h0, [5, 6], FP, b"salt")
-    assert hash_block_chain([1, 2, 3, 4, 5, 6], BS, FP, b"salt") == [h0, h1]
-
-
-def test_hash_depends_on_parent_salt_fingerprint_and_tokens() -> None:
-    base = hash_block(b"", [1, 2, 3, 4], FP, b"")
-    variants = {
-        hash_block(b"p" * 16, [1, 2, 3, 4], FP, b""),
-        hash_block(b"", [1, 2, 3, 4], FP, b"tenant-a"),
-        hash_block(b"", [1, 2, 3, 4], "other-model", b""),
-        hash_block(b"", [1, 2, 3, 5], FP, b""),
-        hash_block(b"", [1, 2, 3], FP, b""),
-    }
-    assert base not in variants
-    assert len(variants) == 5
 
 
 def test_full_blocks_are_registered_after_compute_and_found_by_the_next_request() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.contracts.block_hashes import hash_block_chain
 from kvmesh.errors import Unavailable
 from services.router.placement import (
     leading_hits,
@@ -14,7 +15,6 @@ from services.router.placement import (
     resolve_tier,
 )
 from services.router.pools import Role
-from services.worker.engine.kv_cache_manager import hash_block_chain
 from tests.unit.router.factories import FINGERPRINT, healthy, registry, tier
 
 PROMPT = list(range(100, 180))  # 5 full blocks of 16

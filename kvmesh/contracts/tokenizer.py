@@ -19,7 +19,7 @@ import jinja2.sandbox
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 
-from services.worker.engine.model_files import ModelLoadError, read_json, resolve_model_path
+from kvmesh.contracts.model_files import ModelLoadError, read_json, resolve_model_path
 
 # GGUF token types (llama.cpp's llama_token_type).
 GGUF_TOKEN_CONTROL = 3

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from services.worker.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvmesh.contracts.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # Characters the tiny tokenizer never saw in training: each is several byte-level tokens.
 MULTIBYTE_TEXT = "Hi 龍が好き 🦄🍕 naïve — ok 東京 🚀!"
@@ -104,7 +104,7 @@ def test_gguf_tokenizer_loads_without_torch(smollm2_gguf_path: Path) -> None:
     """The admission gateway imports the tokenizer; it must not pull in torch."""
     code = (
         "import sys\n"
-        "from services.worker.engine.tokenizer import Tokenizer\n"
+        "from kvmesh.contracts.tokenizer import Tokenizer\n"
         f"tok = Tokenizer.from_model_path({str(smollm2_gguf_path)!r})\n"
         "assert tok.encode('Hello world') == [19556, 905], tok.encode('Hello world')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
