@@ -114,7 +114,7 @@ async def start_mesh(args: argparse.Namespace, state: Path) -> Mesh:
     supervisor = Supervisor(printer=quiet)
     worker = await start(
         supervisor, "worker", "services.worker",
-        ["--role", "both", "--model", args.model, "--tier", args.tier,
+        ["--role", "colocated", "--model", args.model, "--tier", args.tier,
          "--num-threads", str(args.threads)],
     )  # fmt: skip
     pools = state / "pools.yaml"

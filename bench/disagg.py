@@ -157,7 +157,7 @@ class Mesh:
 
 async def start_mesh(mode: str, args: argparse.Namespace, state: Path, mesh: Mesh) -> None:
     """Two workers pinned to cores 0 and 1, and the router over them, into `mesh`."""
-    roles = ["both", "both"] if mode == "colocated" else ["prefill", "decode"]
+    roles = ["colocated", "colocated"] if mode == "colocated" else ["prefill", "decode"]
     common = [
         "--model",
         args.model,

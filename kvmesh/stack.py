@@ -28,7 +28,7 @@ FIRST_WORKER_METRICS_PORT = 9461
 WORKER_GRACE_S = 30.0
 """Seconds a stopping (drained) worker gives its in-flight requests to finish."""
 
-WORKER_ROLES = ("prefill", "decode", "both")
+WORKER_ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(slots=True, frozen=True)
@@ -88,7 +88,7 @@ class StackService:
     metrics_port: int
     """Prometheus port."""
     role: str = ""
-    """Worker role (prefill, decode, both); empty for other services."""
+    """Worker role (prefill, decode, colocated); empty for other services."""
     http: bool = False
     """It serves HTTP (the OpenAI door), not gRPC."""
 
@@ -118,7 +118,7 @@ def worker_service(options: StackOptions, role: str, index: int, slot: int) -> S
         raise ValueError(f"worker role must be one of {WORKER_ROLES}, got {role!r}")
     port = FIRST_WORKER_PORT + options.port_offset + slot
     metrics_port = FIRST_WORKER_METRICS_PORT + options.port_offset + slot
-    name = f"{'worker' if role == 'both' else role}-{index}"
+    name = f"{'worker' if role == 'colocated' else role}-{index}"
     args = (
         "--role",
         role,
@@ -156,7 +156,7 @@ def mesh_args(options: StackOptions) -> tuple[str, ...]:
 def plan_workers(options: StackOptions) -> list[StackService]:
     """The workers, in start order."""
     if options.mode == "colocated":
-        roles = ["both"] * options.decode
+        roles = ["colocated"] * options.decode
     else:
         roles = ["prefill"] * options.prefill + ["decode"] * options.decode
     if not roles or (options.mode == "disaggregated" and not (options.prefill and options.decode)):
@@ -180,7 +180,7 @@ def pools_document(options: StackOptions, workers: list[StackService]) -> dict[s
                 "quantization": "none",
                 "prefill": by_role["prefill"],
                 "decode": by_role["decode"],
-                "colocated": by_role["both"],
+                "colocated": by_role["colocated"],
             }
         ]
     }

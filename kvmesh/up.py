@@ -46,13 +46,18 @@ from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 
-POOL_ROLES = {"prefill": "prefill", "decode": "decode", "worker": "both", "colocated": "both"}
+POOL_ROLES = {
+    "prefill": "prefill",
+    "decode": "decode",
+    "worker": "colocated",
+    "colocated": "colocated",
+}
 """`kvmesh scale POOL` names -> worker roles."""
 
 ROLE_PROTO = {
     "prefill": worker_pb2.WORKER_ROLE_PREFILL,
     "decode": worker_pb2.WORKER_ROLE_DECODE,
-    "both": worker_pb2.WORKER_ROLE_BOTH,
+    "colocated": worker_pb2.WORKER_ROLE_COLOCATED,
 }
 
 

@@ -34,8 +34,8 @@ class _WorkerRoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WorkerRole
     """Runs prompts and leases their KV."""
     WORKER_ROLE_DECODE: _WorkerRole.ValueType  # 2
     """Pulls leased KV and generates."""
-    WORKER_ROLE_BOTH: _WorkerRole.ValueType  # 3
-    """Does both in one process (colocated)."""
+    WORKER_ROLE_COLOCATED: _WorkerRole.ValueType  # 3
+    """Does both in one process: Generate and every split RPC (value 3 was named WORKER_ROLE_BOTH)."""
 
 class WorkerRole(_WorkerRole, metaclass=_WorkerRoleEnumTypeWrapper):
     """Role of a worker."""
@@ -46,8 +46,8 @@ WORKER_ROLE_PREFILL: WorkerRole.ValueType  # 1
 """Runs prompts and leases their KV."""
 WORKER_ROLE_DECODE: WorkerRole.ValueType  # 2
 """Pulls leased KV and generates."""
-WORKER_ROLE_BOTH: WorkerRole.ValueType  # 3
-"""Does both in one process (colocated)."""
+WORKER_ROLE_COLOCATED: WorkerRole.ValueType  # 3
+"""Does both in one process: Generate and every split RPC (value 3 was named WORKER_ROLE_BOTH)."""
 Global___WorkerRole: _TypeAlias = WorkerRole  # noqa: Y015
 
 @_typing.final

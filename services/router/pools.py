@@ -41,7 +41,7 @@ class Role(enum.Enum):
 _ROLE_TO_PROTO = {
     Role.PREFILL: worker_pb2.WORKER_ROLE_PREFILL,
     Role.DECODE: worker_pb2.WORKER_ROLE_DECODE,
-    Role.COLOCATED: worker_pb2.WORKER_ROLE_BOTH,
+    Role.COLOCATED: worker_pb2.WORKER_ROLE_COLOCATED,
 }
 
 

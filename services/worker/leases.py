@@ -23,12 +23,13 @@ from kvmesh.errors import NotFound, PermissionDenied
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-Release = Callable[["Lease"], Awaitable[None]]
+Release = Callable[["LeaseRecord"], Awaitable[None]]
 
 
 @dataclass(slots=True)
-class Lease:
-    """One lease on the blocks of one prefilled request."""
+class LeaseRecord:
+    """The worker's record of one lease (a KvLease on the wire) on the blocks the engine holds
+    under one KvHandle."""
 
     lease_id: str
     """Opaque, unguessable id the lease is named by on the wire."""
@@ -55,7 +56,7 @@ class LeaseTable:
     """The TTL of every lease, and the longest a caller may ask for."""
     clock: Clock = time.monotonic
     wall_clock: Clock = time.time
-    _leases: dict[str, Lease] = field(default_factory=dict)
+    _leases: dict[str, LeaseRecord] = field(default_factory=dict)
 
     def grant(
         self,
@@ -64,11 +65,11 @@ class LeaseTable:
         num_tokens: int,
         holders: frozenset[str],
         ttl_s: float | None = None,
-    ) -> Lease:
+    ) -> LeaseRecord:
         """A new lease on a handle for `holders`, valid for `ttl_s` when that is shorter than
         the table's TTL (the table's TTL when None or 0)."""
         ttl = min(ttl_s, self.ttl_s) if ttl_s else self.ttl_s
-        lease = Lease(
+        lease = LeaseRecord(
             lease_id=secrets.token_hex(16),
             handle_id=handle_id,
             block_hashes=list(block_hashes),
@@ -80,7 +81,7 @@ class LeaseTable:
         self._leases[lease.lease_id] = lease
         return lease
 
-    def get(self, lease_id: str, caller: str) -> Lease:
+    def get(self, lease_id: str, caller: str) -> LeaseRecord:
         """The live lease, used by `caller` (a mesh name); NotFound when unknown, released or
         past its expiry, PermissionDenied when it was not granted for `caller`."""
         lease = self._leases.get(lease_id)
@@ -92,17 +93,17 @@ class LeaseTable:
             )
         return lease
 
-    def take(self, lease_id: str, caller: str) -> Lease:
+    def take(self, lease_id: str, caller: str) -> LeaseRecord:
         """Removes and returns the live lease (to release it); errors as `get`."""
         lease = self.get(lease_id, caller)
         del self._leases[lease_id]
         return lease
 
-    def drop(self, lease_id: str) -> Lease | None:
+    def drop(self, lease_id: str) -> LeaseRecord | None:
         """Removes and returns the lease whatever its holders (the worker's own clean-up)."""
         return self._leases.pop(lease_id, None)
 
-    def take_expired(self) -> list[Lease]:
+    def take_expired(self) -> list[LeaseRecord]:
         """Removes and returns every lease past its expiry."""
         now = self.clock()
         expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
@@ -110,7 +111,7 @@ class LeaseTable:
             del self._leases[lease.lease_id]
         return expired
 
-    def take_all(self) -> list[Lease]:
+    def take_all(self) -> list[LeaseRecord]:
         """Removes and returns every lease (at shutdown)."""
         leases = list(self._leases.values())
         self._leases.clear()

@@ -1,5 +1,8 @@
 """gRPC face of a worker: Generate (colocated), Prefill / PullKv / ReleaseKv, Decode, Stats.
 
+Protobuf in, a call into the engine, the KV exporter (prefill side: leases and their blocks) or
+the KV importer (decode side: pulling a lease's blocks), protobuf out.
+
 The worker streams no Started event (placement is the router's business): a generation stream
 is TokenChunk* then Finished. A Decode stream's first chunk is the token the prefill worker
 sampled, sent once the missing KV is imported, so it tells the router the hand-off succeeded.
@@ -10,8 +13,9 @@ which aborts; a failed import is cancelled; an unpulled lease expires.
 
 A worker defends itself even against a mesh member gone wrong: a lease lives at most the
 worker's TTL and serves only the members it was granted for; a pull names each block once and
-is read a few blocks at a time; a decode dials only the address of a lease this stack signed
-and writes only blocks whose keyed digest binds them to that lease (mesh_keys.py).
+is read a few blocks at a time (kv_exporter.py); a decode dials only the address of a lease this
+stack signed and writes only blocks whose keyed digest binds them to that lease (kv_importer.py,
+mesh_keys.py).
 """
 
 from __future__ import annotations
@@ -20,28 +24,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvmesh.channels import insecure_channel
 from kvmesh.contracts.constraints import ConstraintError
 from kvmesh.errors import (
-    DataLoss,
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
-    KvmeshError,
-    NotFound,
-    PermissionDenied,
     ResourceExhausted,
-    Unavailable,
 )
-from kvmesh.mesh_auth import MeshMember, MeshRole, caller_of
+from kvmesh.mesh_auth import caller_of
 from kvmesh.mesh_keys import MeshKeys
-from kvmesh.rpc_status import error_from_rpc
 from kvmesh.streams import CancelWatch, Coalescer, first_message, run_unless_cancelled
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -55,8 +51,10 @@ from services.worker.engine.request import (
     ImportPlan,
     RequestOutput,
 )
-from services.worker.kv_transfer import BlockAssembler, Pacer, check_compatible, chunk_block
-from services.worker.leases import Lease, LeaseTable
+from services.worker.kv_exporter import KvExporter
+from services.worker.kv_importer import KvImporter
+from services.worker.kv_transfer import check_compatible
+from services.worker.leases import LeaseTable
 
 if TYPE_CHECKING:
     from services.worker.backends import EngineBackend
@@ -64,14 +62,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)
 
-PULL_READ_BYTES = 8 << 20
-"""Most KV bytes a PullKv reads out of the engine at once (at least one block): a pull of any
-size holds this much, not the whole lease."""
-
 _ROLES = {
     "prefill": worker_pb2.WORKER_ROLE_PREFILL,
     "decode": worker_pb2.WORKER_ROLE_DECODE,
-    "both": worker_pb2.WORKER_ROLE_BOTH,
+    "colocated": worker_pb2.WORKER_ROLE_COLOCATED,
 }
 
 
@@ -133,10 +127,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.config = config
         self.leases = leases
         self.keys = keys
-        self._address = address
         self.layout = layout_proto(engine.layout)
-        self._channels: dict[str, grpc.aio.Channel] = {}
         self._background: set[asyncio.Task[object]] = set()
+        self.exporter = KvExporter(
+            engine,
+            leases,
+            self.layout,
+            address,
+            keys,
+            self._spawn,
+            chunk_bytes=config.kv_chunk_bytes,
+            send_max_bytes_s=config.kv_send_max_mb_s * 1e6,
+        )
+        self.importer = KvImporter(engine, self.layout, address, keys, self._spawn)
 
     # ---- colocated ------------------------------------------------------------------------
 
@@ -148,7 +151,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # The request is read before a refusal: a client's write racing the end of the call
         # fails on its side as INTERNAL (grpc aio), hiding the refusal's status.
         first = await first_message(request_iterator, "request")
-        self._require(self.config.role == "both", "Generate", "both")
+        self._require(self.config.role == "colocated", "Generate", "colocated")
         if first.WhichOneof("message") != "request":
             raise InvalidArgument("request", "the first message must be the request")
         request = engine_request(first.request, context.time_remaining())
@@ -168,7 +171,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Prefill(
         self, request: worker_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PrefillResponse:
-        self._require(self.config.serves_prefill, "Prefill", "prefill or both")
+        self._require(self.config.serves_prefill, "Prefill", "prefill or colocated")
         engine_req = engine_request(request.request, context.time_remaining())
         started = time.monotonic()
         # If this RPC is cancelled meanwhile, the engine aborts the prefill and frees its blocks.
@@ -186,89 +189,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             return response
         ttl_s = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
         holders = {self._caller(context)} | ({request.puller} if request.puller else set())
-        lease = self.leases.grant(
-            handle.handle_id, handle.block_hashes, handle.num_tokens, frozenset(holders), ttl_s
-        )
-        metrics.LEASES.labels("granted").inc()
-        metrics.LEASES_ACTIVE.set(len(self.leases))
-        response.lease.CopyFrom(self._lease_proto(lease))
-        context.add_done_callback(lambda ended: self._drop_if_undelivered(ended, lease))
+        lease = self.exporter.grant(handle, frozenset(holders), ttl_s)
+        response.lease.CopyFrom(lease)
+        context.add_done_callback(lambda ended: self._drop_if_undelivered(ended, lease.lease_id))
         return response
 
-    def _drop_if_undelivered(self, context: grpc.aio.ServicerContext, lease: Lease) -> None:
+    def _drop_if_undelivered(self, context: grpc.aio.ServicerContext, lease_id: str) -> None:
         """A lease whose Prefill response never reached the caller is released at once."""
-        if not context.cancelled():
-            return
-        if self.leases.drop(lease.lease_id) is not None:
-            self._spawn(self.release_lease(lease))
-            metrics.LEASES.labels("released").inc()
-
-    def _lease_proto(self, lease: Lease) -> common_pb2.KvLease:
-        proto = common_pb2.KvLease(
-            lease_id=lease.lease_id,
-            worker_address=self._address(),
-            block_hashes=lease.block_hashes,
-            num_tokens=lease.num_tokens,
-            model_fingerprint=self.engine.fingerprint,
-            layout=self.layout,
-            expires_unix_ms=lease.expires_unix_ms,
-        )
-        proto.signature = self.keys.sign_lease(proto)
-        return proto
+        if context.cancelled():
+            self.exporter.release_undelivered(lease_id)
 
     async def PullKv(
         self, request: worker_pb2.PullKvRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvChunk]:
-        self._require(self.config.serves_prefill, "PullKv", "prefill or both")
-        lease = self.leases.get(request.lease_id, self._caller(context))
-        check_compatible(
-            self.engine.fingerprint, self.layout, request.model_fingerprint, request.layout
+        self._require(self.config.serves_prefill, "PullKv", "prefill or colocated")
+        chunks = self.exporter.blocks(
+            request.lease_id,
+            self._caller(context),
+            request.block_indices,
+            request.model_fingerprint,
+            request.layout,
         )
-        indices = _pull_indices(request.block_indices, len(lease.block_hashes))
-        pacer = Pacer(self.config.kv_send_max_mb_s * 1e6)
-        # Read off the engine thread (held blocks do not change), so a pull does not wait for
-        # the engine's current step; a few blocks per read keep the thread hops few and the
-        # bytes held at once bounded, whatever the pull's size.
-        per_read = max(1, PULL_READ_BYTES // max(1, self.engine.layout.block_bytes))
-        for start in range(0, len(indices), per_read):
-            group = indices[start : start + per_read]
-            try:
-                blobs = await self.engine.export_blocks(lease.handle_id, group)
-            except KeyError:
-                raise NotFound(f"KV lease {request.lease_id!r} expired during the pull") from None
-            for index, data in zip(group, blobs, strict=True):
-                metrics.KV_TRANSFER_BYTES.labels("sent").inc(len(data))
-                metrics.KV_TRANSFER_BLOCKS.labels("sent").inc()
-                block_hash = lease.block_hashes[index]
-                digest = self.keys.block_digest(lease.lease_id, index, block_hash, data)
-                for chunk in chunk_block(
-                    index, block_hash, data, digest, self.config.kv_chunk_bytes
-                ):
-                    yield chunk
-                    await pacer.sent(len(chunk.data))
-            del blobs
+        async for chunk in chunks:
+            yield chunk
 
     async def ReleaseKv(
         self, request: worker_pb2.ReleaseKvRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ReleaseKvResponse:
-        self._require(self.config.serves_prefill, "ReleaseKv", "prefill or both")
-        lease = self.leases.take(request.lease_id, self._caller(context))
-        released = await self.release_lease(lease)
-        metrics.LEASES.labels("released").inc()
+        self._require(self.config.serves_prefill, "ReleaseKv", "prefill or colocated")
+        released = await self.exporter.release(request.lease_id, self._caller(context))
         return worker_pb2.ReleaseKvResponse(blocks_released=released)
-
-    async def release_lease(self, lease: Lease) -> int:
-        """Unpins a lease's blocks in the engine (already taken out of the table)."""
-        metrics.LEASES_ACTIVE.set(len(self.leases))
-        try:
-            return await self.engine.release(lease.handle_id)
-        except KeyError:
-            return 0
-
-    async def expire_lease(self, lease: Lease) -> None:
-        """The lease sweeper's release callback."""
-        await self.release_lease(lease)
-        metrics.LEASES.labels("expired").inc()
 
     # ---- decode side ----------------------------------------------------------------------
 
@@ -278,7 +228,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
         first = await first_message(request_iterator, "start")  # before a refusal: see Generate
-        self._require(self.config.serves_decode, "Decode", "decode or both")
+        self._require(self.config.serves_decode, "Decode", "decode or colocated")
         if first.WhichOneof("message") != "start":
             raise InvalidArgument("start", "the first message must be the start")
         start = first.start
@@ -289,31 +239,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         check_compatible(
             self.engine.fingerprint, self.layout, lease.model_fingerprint, lease.layout
         )
-        if not self.keys.lease_is_signed(lease):
-            # Nothing is dialled for a lease this stack did not sign: its address is a
-            # caller's word, and its blocks would reach the prefix cache.
-            raise PermissionDenied(
-                "lease: the signature does not verify (not granted by a worker of this stack)"
-            )
+        self.importer.check_signed(lease)
         state = self._track(request, context)
         watch = CancelWatch(request_iterator, _cancel_reason, request.request_id)
         watch.start()
         try:
-            plan = state.import_plan = await self._start_import(request, lease)
-            try:
-                pulled = await run_unless_cancelled(
-                    self._pull_missing(plan, lease, context.time_remaining()), watch.cancelled
-                )
-            except BaseException:
-                await self.engine.cancel_import(plan)
-                raise
+            plan = state.import_plan = await self.importer.start(request, lease)
+            pulled = await self.importer.fill(
+                plan, lease, watch.cancelled, context.time_remaining()
+            )
             if pulled is None:
-                await self.engine.cancel_import(plan)
                 state.finished = True
                 yield common_pb2.GenerateEvent(finished=state.aborted())
                 return
             kv_transfer_ms = (time.monotonic() - state.started) * 1000
-            self._spawn(self._release_remote(lease))
+            self._spawn(self.importer.release_remote(lease))
             async for event in self._stream(
                 "Decode",
                 self.engine.commit_import(plan, start.first_token.token_ids[0]),
@@ -325,88 +265,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield event
         finally:
             await watch.close()
-
-    async def _start_import(self, request: EngineRequest, lease: common_pb2.KvLease) -> ImportPlan:
-        task = asyncio.ensure_future(
-            self.engine.start_import(request, list(lease.block_hashes), lease.num_tokens)
-        )
-        try:
-            # Shielded: if this RPC is cancelled meanwhile, an import the engine still makes
-            # is cancelled once it exists, instead of holding its blocks for good.
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            task.add_done_callback(self._cancel_orphan_import)
-            raise
-        except KvCapacityError as error:
-            raise ResourceExhausted(f"decode worker KV cache is full: {error}") from None
-        except ValueError as error:
-            raise InvalidArgument("lease", str(error)) from None
-
-    async def _pull_missing(
-        self, plan: ImportPlan, lease: common_pb2.KvLease, time_left: float | None
-    ) -> int:
-        """Pulls the blocks the plan lacks from the lease's worker; returns the bytes moved."""
-        missing = plan.missing_indices
-        if not missing:
-            return 0
-        started = time.monotonic()
-        assembler = BlockAssembler(
-            {i: lease.block_hashes[i] for i in missing},
-            self.engine.layout.block_bytes,
-            self.keys,
-            lease.lease_id,
-        )
-        stub = worker_pb2_grpc.WorkerStub(self._channel(lease.worker_address))
-        call = stub.PullKv(
-            worker_pb2.PullKvRequest(
-                lease_id=lease.lease_id,
-                block_indices=missing,
-                model_fingerprint=self.engine.fingerprint,
-                layout=self.layout,
-            ),
-            timeout=time_left,
-        )
-        # Writes are queued without waiting for each, so writing a block overlaps receiving the
-        # next (the native engine writes on copy threads, without waiting for its current step).
-        writes: list[asyncio.Future[None]] = []
-        with _tracer.start_as_current_span("kv_pull") as span:
-            try:
-                async for chunk in call:
-                    block = assembler.add(chunk)
-                    if block is not None:
-                        writes.append(
-                            asyncio.ensure_future(self.engine.write_imported_block(plan, *block))
-                        )
-                await asyncio.gather(*writes)
-            except grpc.aio.AioRpcError as error:
-                raise _pull_error(error, lease.worker_address) from None
-            finally:
-                call.cancel()
-                # On failure, let queued writes settle before the caller cancels the import.
-                await asyncio.gather(*writes, return_exceptions=True)
-            if assembler.missing():
-                raise DataLoss(f"PullKv ended before blocks {assembler.missing()} arrived")
-            span.set_attribute("kvmesh.kv_transfer.bytes", assembler.bytes_received)
-            span.set_attribute("kvmesh.kv_transfer.blocks", len(missing))
-        metrics.KV_TRANSFER_SECONDS.observe(time.monotonic() - started)
-        metrics.KV_TRANSFER_BYTES.labels("received").inc(assembler.bytes_received)
-        metrics.KV_TRANSFER_BLOCKS.labels("received").inc(len(missing))
-        return assembler.bytes_received
-
-    async def _release_remote(self, lease: common_pb2.KvLease) -> None:
-        """Ends the lease on its worker; if this fails, the lease's TTL frees the blocks."""
-        stub = worker_pb2_grpc.WorkerStub(self._channel(lease.worker_address))
-        try:
-            await stub.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=lease.lease_id), timeout=5.0)
-        except grpc.aio.AioRpcError as error:
-            log.info("ReleaseKv %s on %s: %s", lease.lease_id, lease.worker_address, error.code())
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            member = MeshMember(MeshRole.WORKER, self._address(), self.keys)
-            channel = self._channels[address] = insecure_channel(address, member=member)
-        return channel
 
     def _caller(self, context: grpc.aio.ServicerContext) -> str:
         """The mesh name of the call's verified caller ("" when it proves none)."""
@@ -488,10 +346,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             with contextlib.suppress(KeyError):
                 await self.engine.cancel_import(state.import_plan)
 
-    def _cancel_orphan_import(self, task: asyncio.Future[ImportPlan]) -> None:
-        if not task.cancelled() and task.exception() is None:
-            self._spawn(self.engine.cancel_import(task.result()))
-
     @staticmethod
     def _observe_chunk(rpc: str, state: _StreamState, num_tokens: int) -> None:
         now = time.monotonic()
@@ -551,13 +405,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def close(self) -> None:
         """Releases every lease and closes the channels to other workers (at shutdown)."""
-        for lease in self.leases.take_all():
-            await self.release_lease(lease)
+        await self.exporter.close()
         for task in list(self._background):
             task.cancel()
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
+        await self.importer.close()
 
     def _spawn(self, work: Coroutine[Any, Any, object]) -> None:
         task = asyncio.ensure_future(work)
@@ -571,23 +422,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             )
 
 
-def _pull_indices(requested: Sequence[int], count: int) -> list[int]:
-    """The blocks a PullKv asks for (all when none are named), each named once and in range."""
-    if not requested:
-        return list(range(count))
-    indices = list(requested)
-    if len(set(indices)) != len(indices):
-        raise InvalidArgument("block_indices", "each block may be asked for once")
-    out_of_range = [i for i in indices if i >= count]
-    if out_of_range:
-        shown = out_of_range[:8]
-        raise InvalidArgument(
-            "block_indices",
-            f"{len(out_of_range)} out of range for a {count}-block lease (e.g. {shown})",
-        )
-    return indices
-
-
 @contextlib.contextmanager
 def _engine_errors() -> Iterator[None]:
     """The engine's refusals as the caller's errors: bad input, or no room for the KV."""
@@ -599,12 +433,3 @@ def _engine_errors() -> Iterator[None]:
         raise InvalidArgument(error.field, error.detail) from None
     except ValueError as error:
         raise InvalidArgument("request", str(error)) from None
-
-
-def _pull_error(error: grpc.aio.AioRpcError, address: str) -> KvmeshError:
-    """The typed error of a failed PullKv; transport failures name the prefill worker."""
-    typed = error_from_rpc(error)
-    if isinstance(typed, Unavailable | NotFound | DataLoss | FailedPrecondition | DeadlineExceeded):
-        typed.message = f"pulling KV from {address}: {typed.message}"
-        return typed
-    return Unavailable(f"pulling KV from {address} failed: {error.code().name} {error.details()}")

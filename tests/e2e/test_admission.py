@@ -125,7 +125,7 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         worker = start_service(
             "services.worker",
             [
-                "--role", "both", "--model", str(tiny_llama_dir), "--tier", TIER,
+                "--role", "colocated", "--model", str(tiny_llama_dir), "--tier", TIER,
                 "--port", "0", "--metrics-port", "-1", "--num-kv-blocks", str(KV_BLOCKS),
                 "--num-threads", "1",
             ],

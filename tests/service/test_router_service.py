@@ -83,7 +83,7 @@ def pools_document(workers: dict[str, InProcessWorker]) -> dict[str, object]:
 
 
 async def start_mesh(model: Path, tmp_path: Path, *router_args: str) -> Mesh:
-    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode", "c0": "both", "q0": "both"}
+    roles = {"p0": "prefill", "p1": "prefill", "d0": "decode", "c0": "colocated", "q0": "colocated"}
     started = await asyncio.gather(
         *(
             start_worker(model, role, *(["--quantization", "int8"] if name == "q0" else []))
@@ -286,8 +286,8 @@ async def test_status_models_and_pool_changes(mesh: Mesh, tiny_llama_dir: Path) 
     assert pools == [
         ("tiny", worker_pb2.WORKER_ROLE_PREFILL, 2),
         ("tiny", worker_pb2.WORKER_ROLE_DECODE, 1),
-        ("tiny-co", worker_pb2.WORKER_ROLE_BOTH, 1),
-        ("tiny-int8", worker_pb2.WORKER_ROLE_BOTH, 1),
+        ("tiny-co", worker_pb2.WORKER_ROLE_COLOCATED, 1),
+        ("tiny-int8", worker_pb2.WORKER_ROLE_COLOCATED, 1),
     ]
     assert all(w.healthy and w.stats.kv_blocks_total == 64 for p in status.pools for w in p.workers)
     assert all(p.recommended_replicas >= 1 for p in status.pools)

@@ -27,7 +27,7 @@ from kvmesh.mesh_auth import (
 )
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from services.worker import servicer as worker_servicer
+from services.worker import kv_exporter
 from services.worker.config import WorkerConfig
 from services.worker.kv_transfer import crc32c
 from tests.service.worker_mesh import (
@@ -316,7 +316,7 @@ async def test_a_pull_reads_a_few_blocks_at_a_time(
 ) -> None:
     engine = stack.prefill.worker.engine
     block_bytes = engine.layout.block_bytes
-    monkeypatch.setattr(worker_servicer, "PULL_READ_BYTES", 2 * block_bytes)
+    monkeypatch.setattr(kv_exporter, "PULL_READ_BYTES", 2 * block_bytes)
     reads: list[int] = []
     export = engine.export_blocks
 

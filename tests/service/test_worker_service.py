@@ -51,7 +51,7 @@ async def trio(tiny_llama_dir: Path) -> AsyncIterator[Trio]:
     workers = Trio(
         await start_worker(tiny_llama_dir, "prefill"),
         await start_worker(tiny_llama_dir, "decode"),
-        await start_worker(tiny_llama_dir, "both"),
+        await start_worker(tiny_llama_dir, "colocated"),
     )
     yield workers
     await asyncio.gather(workers.prefill.stop(), workers.decode.stop(), workers.both.stop())
@@ -226,7 +226,7 @@ async def test_stats_and_roles(trio: Trio) -> None:
     await colocated(trio.both.stub, request("s2", PROMPTS[0]))  # its two full blocks hit
     stats = await trio.both.stub.Stats(worker_pb2.StatsRequest(include_block_hashes=True))
     assert stats.prefix_cache_hit_rate == pytest.approx(32 / 80)
-    assert stats.role == worker_pb2.WORKER_ROLE_BOTH
+    assert stats.role == worker_pb2.WORKER_ROLE_COLOCATED
     assert stats.kv_blocks_total == KV_BLOCKS and stats.block_size == 16
     assert stats.num_cached_blocks == len(stats.cached_block_hashes) > 0
     assert stats.layout.num_layers == 2 and stats.context_length == 512

@@ -1,6 +1,6 @@
 """vLLM workers in the mesh: vLLM prefill -> vLLM decode, refusals, and nothing left held.
 
-Workers: a vLLM worker of role both (prefill side and colocated reference), a vLLM decode
+Workers: a vLLM worker of role colocated (prefill side and colocated reference), a vLLM decode
 worker, and a native prefill worker (its 16-token blocks and byte order differ from vLLM's).
 """
 
@@ -58,7 +58,7 @@ class Mesh:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def mesh(tiny_llama32_dir: Path) -> AsyncIterator[Mesh]:
     workers = Mesh(
-        await start_vllm_worker(tiny_llama32_dir, "both"),
+        await start_vllm_worker(tiny_llama32_dir, "colocated"),
         await start_vllm_worker(tiny_llama32_dir, "decode"),
         await start_worker(tiny_llama32_dir, "prefill"),
     )

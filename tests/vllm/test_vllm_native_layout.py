@@ -42,7 +42,7 @@ class Pair:
 
 
 async def start_native_worker(model: Path, block_size: int) -> InProcessWorker:
-    config = load_config(WorkerConfig, worker_args(model, "both"))
+    config = load_config(WorkerConfig, worker_args(model, "colocated"))
     engine = AsyncEngine.from_config(engine_config(config).replace(block_size=block_size))
     worker = build_worker(config, engine)
     await worker.start()
@@ -52,7 +52,7 @@ async def start_native_worker(model: Path, block_size: int) -> InProcessWorker:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def pair(tiny_llama32_dir: Path) -> AsyncIterator[Pair]:
     workers = Pair(
-        await start_vllm_worker(tiny_llama32_dir, "both", wire_format="native"),
+        await start_vllm_worker(tiny_llama32_dir, "colocated", wire_format="native"),
         await start_native_worker(tiny_llama32_dir, block_size=32),
     )
     yield workers

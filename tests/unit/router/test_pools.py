@@ -59,7 +59,7 @@ def test_add_and_remove() -> None:
 
 
 def test_roles_map_to_the_wire() -> None:
-    assert Role.from_proto(worker_pb2.WORKER_ROLE_BOTH) is Role.COLOCATED
+    assert Role.from_proto(worker_pb2.WORKER_ROLE_COLOCATED) is Role.COLOCATED
     assert Role.PREFILL.proto == worker_pb2.WORKER_ROLE_PREFILL
     with pytest.raises(InvalidArgument):
         Role.from_proto(worker_pb2.WORKER_ROLE_UNSPECIFIED)

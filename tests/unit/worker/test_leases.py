@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from kvmesh.errors import NotFound, PermissionDenied
-from services.worker.leases import Lease, LeaseSweeper, LeaseTable
+from services.worker.leases import LeaseRecord, LeaseSweeper, LeaseTable
 
 ROUTER = "router"
 PULLER = "127.0.0.1:50062"
@@ -89,7 +89,7 @@ async def test_sweeper_releases_expired_leases() -> None:
     released: list[str] = []
     ticks: list[int] = []
 
-    async def release(lease: Lease) -> None:
+    async def release(lease: LeaseRecord) -> None:
         if lease.handle_id == "bad":
             raise RuntimeError("engine refused")
         released.append(lease.handle_id)
