@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from kvmesh.streams import run_unless_cancelled
+from kvmesh.tenants import PriorityClass
 from services.admission.admission_queue import AdmissionQueue, QueueLimits
 from services.admission.holdings import Holdings
-from services.admission.tenants import PriorityClass
-from services.streams import run_unless_cancelled
 
 INTERACTIVE = PriorityClass.INTERACTIVE
 
