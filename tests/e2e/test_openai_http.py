@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 import kvmesh
 from kvmesh.healthcheck import main as healthcheck
+from kvmesh.tenants import PriorityClass, Tenant, add_tenant
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.admission.tenants import PriorityClass, Tenant, add_tenant
 from tests.procs import ServiceProcess, start_service
 from tests.service.worker_mesh import KV_BLOCKS, worker_args
 
@@ -68,7 +68,7 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     started: list[ServiceProcess] = []
     try:
         worker = start_service(
-            "services.worker", worker_args(tiny_llama_dir, "both", "--tier", TIER)
+            "services.worker", worker_args(tiny_llama_dir, "colocated", "--tier", TIER)
         )
         started.append(worker)
         pools = state / "pools.yaml"
