@@ -26,6 +26,7 @@ from services.router.pools import PoolRegistry
 from services.router.scaling import ScalingPolicy
 from services.router.servicer import RouterServicer
 from services.router.tiers import load_pools
+from services.router.worker_client import GrpcWorkers
 
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 
@@ -67,7 +68,7 @@ def build_router(config: RouterConfig) -> Router:
         registry, peers, config.refresh_interval_s, config.check_timeout_s, scaling
     )
     orchestrator = Orchestrator(
-        registry, peers, monitor, config.load_cost_tokens, config.lease_ttl_ms
+        registry, GrpcWorkers(peers), monitor, config.load_cost_tokens, config.lease_ttl_ms
     )
     servicer = RouterServicer(registry, orchestrator, monitor)
 

@@ -31,7 +31,6 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
 from opentelemetry import trace
 
 from kvmesh.contracts.sampling import AUTO_MODEL
@@ -44,21 +43,24 @@ from kvmesh.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvmesh.rpc_status import error_from_rpc
 from kvmesh.streams import Coalescer, run_unless_cancelled
 from kvmesh.v1 import common_pb2, worker_pb2
+from services.router import events as build
 from services.router import metrics
 from services.router.difficulty import choose_auto_tier
 from services.router.monitor import WorkerMonitor
-from services.router.peers import Peers
 from services.router.placement import Plan, TierChoice, place, resolve_tier
+from services.router.policies import POLICIES
+from services.router.policies.base import PlacementPolicy
 from services.router.pools import PoolRegistry
+from services.router.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 2
 """The first try and one retry."""
-RELEASE_TIMEOUT_S = 2.0
+RELEASE_WAIT_S = 2.0
+"""How long shutdown waits for the background lease releases."""
 
 _NOT_RETRIED = (InvalidArgument, DeadlineExceeded, Cancelled, PermissionDenied, Unauthenticated)
 
@@ -98,31 +100,21 @@ class _Job:
 
 
 @dataclass(slots=True)
-class _Usage:
-    """Tokens the caller has received so far."""
-
-    prompt_tokens: int
-    cached_prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    def describe(self) -> str:
-        return (
-            f"usage so far: prompt_tokens={self.prompt_tokens} "
-            f"cached_prompt_tokens={self.cached_prompt_tokens} "
-            f"completion_tokens={self.completion_tokens}"
-        )
-
-
-@dataclass(slots=True)
 class Orchestrator:
     """Places and runs requests over the registry's workers."""
 
     registry: PoolRegistry
-    peers: Peers
+    workers: WorkerClient
     monitor: WorkerMonitor
     load_cost_tokens: int
     lease_ttl_ms: int = 0
     _background: set[asyncio.Task[None]] = field(default_factory=set)
+    _policies: dict[str, PlacementPolicy] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._policies = {
+            tier.name: POLICIES[tier.placement]() for tier in self.registry.config.tiers
+        }
 
     def choose_tier(self, request: common_pb2.InferenceRequest) -> TierChoice:
         """The serving tier: "auto" resolved by the difficulty rule, then the fallback chain."""
@@ -176,18 +168,14 @@ class Orchestrator:
                 continue
             if first is None:
                 await events.aclose()
-                yield _aborted(_Usage(len(request.prompt_token_ids)), arrived)
+                yield build.aborted(build.Usage(len(request.prompt_token_ids)), arrived)
                 return
             plan = attempt.plan
-            _record_placement(span, plan, job.attempts)
+            build.record_placement(span, plan, job.attempts)
             metrics.PLACEMENTS.labels(
                 plan.tier, "colocated" if plan.colocated else "split", str(plan.fallback).lower()
             ).inc()
-            yield common_pb2.GenerateEvent(
-                started=common_pb2.Started(
-                    request_id=request_id, model=plan.tier, placement=_placement(plan, job.attempts)
-                )
-            )
+            yield build.started(request_id, plan, job.attempts)
             async for event in self._forward(job, attempt, first, events, arrived):
                 yield event
             return
@@ -197,6 +185,7 @@ class Orchestrator:
         job.attempts += 1
         plan = place(
             self.registry,
+            self._policies[job.choice.tier],
             job.choice,
             job.request.prompt_token_ids,
             job.request.cache_salt,
@@ -268,7 +257,7 @@ class Orchestrator:
                 f"{error.message}; no {attempt.plan.tier} prefill and decode workers left "
                 "to resume the hand-off on"
             )
-        _record_placement(trace.get_current_span(), plan, job.attempts)
+        build.record_placement(trace.get_current_span(), plan, job.attempts)
         return self._start(job, plan, attempt.first_token)
 
     async def _forward(
@@ -280,12 +269,12 @@ class Orchestrator:
         arrived: float,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
         """Forwards the attempt's events, coalescing chunks; the rules after the first token."""
-        usage = _Usage(len(job.request.prompt_token_ids))
+        usage = build.Usage(len(job.request.prompt_token_ids))
         first_token_at: float | None = None
         batch: list[common_pb2.GenerateEvent] | None = first
         try:
             while batch is not None:
-                for event in _merge_chunks(batch):
+                for event in build.merge_chunks(batch):
                     usage.cached_prompt_tokens = attempt.cached_prompt_tokens
                     if event.WhichOneof("event") == "chunk":
                         if first_token_at is None:
@@ -296,7 +285,14 @@ class Orchestrator:
                         usage.completion_tokens += len(event.chunk.token_ids)
                         yield event
                     elif event.WhichOneof("event") == "finished":
-                        yield _finished(event.finished, attempt, usage, arrived, first_token_at)
+                        yield build.finished(
+                            event.finished,
+                            attempt.plan,
+                            attempt.cached_prompt_tokens,
+                            usage,
+                            arrived,
+                            first_token_at,
+                        )
                         return
                 try:
                     batch = await run_unless_cancelled(anext(events, None), job.cancelled)
@@ -306,11 +302,11 @@ class Orchestrator:
                     attempt, events = await self._resume_hand_off(job, attempt, events, error)
                     batch = []
             if job.cancelled.is_set():
-                yield _aborted(usage, arrived, first_token_at)
+                yield build.aborted(usage, arrived, first_token_at)
                 return
             raise Unavailable("the worker ended the stream without a Finished event")
         except DeadlineExceeded:
-            yield _deadline(usage, arrived, first_token_at)
+            yield build.deadline(usage, arrived, first_token_at)
         except KvmeshError as error:
             tier = attempt.plan.tier
             metrics.FAILURES_AFTER_FIRST_TOKEN.labels(tier).inc()
@@ -334,28 +330,18 @@ class Orchestrator:
             worker.inflight += 1
         try:
             if plan.decode is None:
-                async for event in self._colocated(plan.prefill.address, request, deadline):
-                    yield event
+                colocated = self.workers.colocated(
+                    plan.prefill.address, request, _time_left(deadline)
+                )
+                async with contextlib.aclosing(colocated):
+                    async for event in colocated:
+                        yield event
             else:
                 async for event in self._split(attempt, request, deadline):
                     yield event
         finally:
             for worker in plan.workers:
                 worker.inflight -= 1
-
-    async def _colocated(
-        self, address: str, request: common_pb2.InferenceRequest, deadline: float | None
-    ) -> AsyncIterator[common_pb2.GenerateEvent]:
-        call = self.peers.worker(address).Generate(timeout=_time_left(deadline))
-        try:
-            # The router stops a worker by cancelling the call, never by a Cancel message.
-            await _send_only(call, worker_pb2.WorkerGenerateMessage(request=request))
-            async for event in call:
-                yield event
-        except grpc.aio.AioRpcError as error:
-            raise _worker_error(error, "Generate", address) from None
-        finally:
-            call.cancel()
 
     async def _split(
         self,
@@ -367,11 +353,12 @@ class Orchestrator:
         assert plan.decode is not None
         prefill_address, decode_address = plan.prefill.address, plan.decode.address
         prefill = asyncio.ensure_future(
-            self.peers.worker(prefill_address).Prefill(
+            self.workers.prefill(
+                prefill_address,
                 worker_pb2.PrefillRequest(
                     request=request, lease_ttl_ms=self.lease_ttl_ms, puller=decode_address
                 ),
-                timeout=_time_left(deadline),
+                _time_left(deadline),
             )
         )
         prefilled = await self._prefilled(prefill, prefill_address)
@@ -384,7 +371,7 @@ class Orchestrator:
         finally:
             if prefilled.HasField("lease") and not attempt.handed_off:
                 # No decode worker imported the KV (once one has, it releases the lease).
-                self._spawn(self._release(prefill_address, prefilled.lease.lease_id))
+                self._spawn(self.workers.release(prefill_address, prefilled.lease.lease_id))
 
     async def _after_prefill(
         self,
@@ -412,15 +399,13 @@ class Orchestrator:
             )
         # Opened once the first token is on its way: opened while the prompt ran, its set-up
         # delayed the Prefill call's by about a millisecond, on the first token's path.
-        call = self.peers.worker(decode_address).Decode(timeout=_time_left(deadline))
-        try:
-            start = worker_pb2.DecodeRequest(
-                request=request, lease=prefilled.lease, first_token=attempt.first_token
-            )
-            async for event in self._decode(attempt, call, start, decode_address):
+        start = worker_pb2.DecodeRequest(
+            request=request, lease=prefilled.lease, first_token=attempt.first_token
+        )
+        decode = self.workers.decode(decode_address, start, _time_left(deadline))
+        async with contextlib.aclosing(decode):
+            async for event in self._handed_off(attempt, decode, decode_address):
                 yield event
-        finally:
-            call.cancel()
 
     async def _prefilled(
         self, prefill: asyncio.Future[worker_pb2.PrefillResponse], address: str
@@ -431,17 +416,14 @@ class Orchestrator:
             # never arrives. If the caller goes away, the prefill (one prompt) completes and
             # its lease is released at once instead of holding blocks until its TTL.
             return await asyncio.shield(prefill)
-        except grpc.aio.AioRpcError as error:
-            raise _worker_error(error, "Prefill", address) from None
         except asyncio.CancelledError:
             self._spawn(self._release_granted(address, prefill))
             raise
 
-    async def _decode(
+    async def _handed_off(
         self,
         attempt: _Attempt,
-        call: grpc.aio.StreamStreamCall[worker_pb2.DecodeMessage, common_pb2.GenerateEvent],
-        start: worker_pb2.DecodeRequest,
+        decode: AsyncIterator[common_pb2.GenerateEvent],
         decode_address: str,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
         """The decode worker's stream for a granted lease, after the first token.
@@ -449,16 +431,12 @@ class Orchestrator:
         The worker's first chunk echoes the first token once it imported the KV: the caller
         has that token already, so it only marks the hand-off done."""
         received = False
-        try:
-            await _send_only(call, worker_pb2.DecodeMessage(start=start))
-            async for event in call:
-                received = True
-                if attempt.handed_off or event.WhichOneof("event") != "chunk":
-                    yield event
-                else:
-                    attempt.handed_off = True
-        except grpc.aio.AioRpcError as error:
-            raise _worker_error(error, "Decode", decode_address) from None
+        async for event in decode:
+            received = True
+            if attempt.handed_off or event.WhichOneof("event") != "chunk":
+                yield event
+            else:
+                attempt.handed_off = True
         if not received:
             raise Unavailable(f"Decode on {decode_address} ended without a word")
 
@@ -468,19 +446,10 @@ class Orchestrator:
         """Releases the lease of a Prefill whose caller went away, once it is granted."""
         try:
             prefilled = await prefill
-        except grpc.aio.AioRpcError:
+        except KvmeshError:
             return  # the prefill failed: nothing is held
         if prefilled.HasField("lease"):
-            await self._release(address, prefilled.lease.lease_id)
-
-    async def _release(self, address: str, lease_id: str) -> None:
-        """Ends a lease whose decode never started; its TTL covers the case this fails."""
-        try:
-            await self.peers.worker(address).ReleaseKv(
-                worker_pb2.ReleaseKvRequest(lease_id=lease_id), timeout=RELEASE_TIMEOUT_S
-            )
-        except grpc.aio.AioRpcError as error:
-            log.info("ReleaseKv %s on %s: %s", lease_id, address, error.code().name)
+            await self.workers.release(address, prefilled.lease.lease_id)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(work)
@@ -490,7 +459,7 @@ class Orchestrator:
     async def close(self) -> None:
         """Waits for the background lease releases (at shutdown)."""
         if self._background:
-            await asyncio.wait(self._background, timeout=RELEASE_TIMEOUT_S)
+            await asyncio.wait(self._background, timeout=RELEASE_WAIT_S)
 
 
 def _downstream_request(
@@ -505,16 +474,6 @@ def _downstream_request(
     return downstream
 
 
-async def _send_only(call: Any, message: Any) -> None:
-    """Writes a call's one message and closes its sending side.
-
-    A call the worker already ended (it died, or refused at once) raises InvalidStateError on
-    write; reading the call then raises its real status, which the retry rules act on."""
-    with contextlib.suppress(asyncio.InvalidStateError):
-        await call.write(message)
-        await call.done_writing()
-
-
 def _time_left(deadline: float | None) -> float | None:
     """Seconds to the caller's deadline for the next hop; DeadlineExceeded once it passed."""
     if deadline is None:
@@ -525,135 +484,7 @@ def _time_left(deadline: float | None) -> float | None:
     return left
 
 
-def _worker_error(error: grpc.aio.AioRpcError, rpc: str, address: str) -> KvmeshError:
-    typed = error_from_rpc(error)
-    typed.message = f"{rpc} on {address}: {typed.message}"
-    return typed
-
-
 def _attempts_failed(error: KvmeshError, attempts: int) -> KvmeshError:
     if attempts > 1:
         error.message = f"{error.message} (after {attempts} attempts)"
     return error
-
-
-def _merge_chunks(events: list[common_pb2.GenerateEvent]) -> list[common_pb2.GenerateEvent]:
-    """Consecutive chunks become one (the caller gets everything ready in one message)."""
-    merged: list[common_pb2.GenerateEvent] = []
-    for event in events:
-        if (
-            event.WhichOneof("event") == "chunk"
-            and merged
-            and merged[-1].WhichOneof("event") == "chunk"
-        ):
-            target = merged[-1].chunk
-            target.token_ids.extend(event.chunk.token_ids)
-            target.text += event.chunk.text
-            target.logprobs.extend(event.chunk.logprobs)
-        else:
-            copy = common_pb2.GenerateEvent()
-            copy.CopyFrom(event)
-            merged.append(copy)
-    return merged
-
-
-def _placement(plan: Plan, attempts: int) -> common_pb2.Placement:
-    return common_pb2.Placement(
-        tier=plan.tier,
-        prefill_worker=plan.prefill.address,
-        decode_worker=(plan.decode or plan.prefill).address,
-        reason=plan.reason,
-        fallback=plan.fallback,
-        expected_prefix_hit_tokens=plan.expected_prefix_hit_tokens,
-        attempts=attempts,
-    )
-
-
-def _record_placement(span: trace.Span, plan: Plan, attempts: int) -> None:
-    span.set_attributes(
-        {
-            "kvmesh.placement.tier": plan.tier,
-            "kvmesh.placement.mode": "colocated" if plan.colocated else "split",
-            "kvmesh.placement.prefill_worker": plan.prefill.address,
-            "kvmesh.placement.decode_worker": (plan.decode or plan.prefill).address,
-            "kvmesh.placement.reason": plan.reason,
-            "kvmesh.placement.fallback": plan.fallback,
-            "kvmesh.placement.attempts": attempts,
-            "kvmesh.placement.expected_prefix_hit_tokens": plan.expected_prefix_hit_tokens,
-        }
-    )
-
-
-def _timings(
-    arrived: float, first_token_at: float | None, kv_transfer_ms: float = 0.0
-) -> common_pb2.Timings:
-    now = time.monotonic()
-    return common_pb2.Timings(
-        ttft_ms=0.0 if first_token_at is None else (first_token_at - arrived) * 1000,
-        e2e_ms=(now - arrived) * 1000,
-        kv_transfer_ms=kv_transfer_ms,
-    )
-
-
-def _finished(
-    worker_finished: common_pb2.Finished,
-    attempt: _Attempt,
-    usage: _Usage,
-    arrived: float,
-    first_token_at: float | None,
-) -> common_pb2.GenerateEvent:
-    """The worker's Finished with the router's view: prefill's cache hits, end-to-end times."""
-    finished = common_pb2.Finished()
-    finished.CopyFrom(worker_finished)
-    finished.usage.prompt_tokens = usage.prompt_tokens
-    if not attempt.plan.colocated:
-        finished.usage.cached_prompt_tokens = attempt.cached_prompt_tokens
-    finished.timings.CopyFrom(
-        _timings(arrived, first_token_at, worker_finished.timings.kv_transfer_ms)
-    )
-    span = trace.get_current_span()
-    span.set_attributes(
-        {
-            "gen_ai.usage.input_tokens": finished.usage.prompt_tokens,
-            "gen_ai.usage.output_tokens": finished.usage.completion_tokens,
-            "gen_ai.response.finish_reasons": [
-                common_pb2.FinishReason.Name(finished.finish_reason)
-            ],
-            "kvmesh.prefix_hit_tokens": finished.usage.cached_prompt_tokens,
-            "kvmesh.kv_transfer_ms": finished.timings.kv_transfer_ms,
-        }
-    )
-    return common_pb2.GenerateEvent(finished=finished)
-
-
-def _partial(
-    reason: common_pb2.FinishReason.ValueType,
-    usage: _Usage,
-    arrived: float,
-    first_token_at: float | None,
-) -> common_pb2.GenerateEvent:
-    return common_pb2.GenerateEvent(
-        finished=common_pb2.Finished(
-            finish_reason=reason,
-            usage=common_pb2.Usage(
-                prompt_tokens=usage.prompt_tokens,
-                cached_prompt_tokens=usage.cached_prompt_tokens,
-                completion_tokens=usage.completion_tokens,
-            ),
-            timings=_timings(arrived, first_token_at),
-        )
-    )
-
-
-def _aborted(
-    usage: _Usage, arrived: float, first_token_at: float | None = None
-) -> common_pb2.GenerateEvent:
-    """Finished(ABORT) for a request the caller cancelled."""
-    return _partial(common_pb2.FINISH_REASON_ABORT, usage, arrived, first_token_at)
-
-
-def _deadline(
-    usage: _Usage, arrived: float, first_token_at: float | None
-) -> common_pb2.GenerateEvent:
-    """Finished(DEADLINE) with the partial output's usage."""
-    return _partial(common_pb2.FINISH_REASON_DEADLINE, usage, arrived, first_token_at)

@@ -1,14 +1,14 @@
 """Placement: which tier, which workers, and the reason, for one request.
 
 - Tier: the requested one while it can serve; otherwise its fallback chain (marked fallback).
-- Prefill (and colocated) worker: the longest cached prefix of this prompt, weighed against
-  load: score = prefix hit tokens - load_cost_tokens x requests on the worker.
-- Decode worker: fewest requests on it, then most free KV blocks.
+- Prefill (and colocated) worker: the tier's placement policy (services/router/policies; by
+  default prefix-affinity: the longest cached prefix of this prompt, weighed against load).
+- Decode worker: least-load (fewest requests on it, then most free KV blocks).
 - A tier with a prefill and a decode worker in rotation runs split; otherwise colocated.
 - Workers of a failed attempt are avoided on the retry while another one is in rotation.
 
-The prompt's block hashes come from the engine's own hash chain, so they equal the hashes the
-workers report for their cached blocks.
+The prompt's block hashes come from the shared hash chain (kvmesh/contracts/block_hashes.py),
+so they equal the hashes the workers report for their cached blocks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ from dataclasses import dataclass
 
 from kvmesh.contracts.block_hashes import hash_block_chain
 from kvmesh.errors import Unavailable
+from services.router.policies.base import Pick, PlacementPolicy, PromptQuery
+from services.router.policies.least_load import LeastLoad
 from services.router.pools import PoolRegistry, Role, WorkerState
+
+_DECODE_POLICY = LeastLoad()
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,87 +93,35 @@ def prompt_block_hashes(
     return hash_block_chain(prompt_token_ids[:full], block_size, fingerprint, cache_salt)
 
 
-def leading_hits(hashes: Sequence[bytes], cached: Collection[bytes]) -> int:
-    """How many leading blocks of the chain the cache holds (a chain breaks at the first miss)."""
-    count = 0
-    for block_hash in hashes:
-        if block_hash not in cached:
-            break
-        count += 1
-    return count
-
-
-def _prefer_fresh(workers: list[WorkerState], avoid: Collection[str]) -> list[WorkerState]:
-    fresh = [w for w in workers if w.address not in avoid]
-    return fresh or workers
-
-
-@dataclass(slots=True, frozen=True)
-class Pick:
-    """A chosen worker and why."""
-
-    worker: WorkerState
-    prefix_hit_tokens: int
-    reason: str
-
-
-def pick_by_prefix(
-    workers: list[WorkerState],
-    hashes: Sequence[bytes],
-    block_size: int,
-    load_cost_tokens: int,
-    avoid: Collection[str] = (),
+def _pick(
+    policy: PlacementPolicy, workers: list[WorkerState], query: PromptQuery, what: str
 ) -> Pick:
-    """The worker with the best prefix-hit-minus-load score (ties: fewer requests, more KV)."""
     if not workers:
-        raise Unavailable("no worker in rotation")
-    candidates = _prefer_fresh(workers, avoid)
-
-    def score(worker: WorkerState) -> tuple[int, int, int]:
-        hit_tokens = leading_hits(hashes, worker.cached_hashes) * block_size
-        return (hit_tokens - load_cost_tokens * worker.load, -worker.load, worker.kv_blocks_free)
-
-    best = max(candidates, key=score)
-    hit_tokens = leading_hits(hashes, best.cached_hashes) * block_size
-    reason = (
-        f"{best.address}: {hit_tokens} cached prefix tokens, {best.load} requests"
-        if hit_tokens
-        else f"{best.address}: no cached prefix anywhere better, {best.load} requests"
-    )
-    return Pick(best, hit_tokens, reason)
-
-
-def pick_decode(workers: list[WorkerState], avoid: Collection[str] = ()) -> Pick:
-    """The decode worker with the fewest requests, then the most free KV blocks."""
-    if not workers:
-        raise Unavailable("no decode worker in rotation")
-    best = min(_prefer_fresh(workers, avoid), key=lambda w: (w.load, -w.kv_blocks_free))
-    reason = (
-        f"{best.address}: {best.load} requests, "
-        f"{best.kv_blocks_free}/{best.kv_blocks_total} KV blocks free"
-    )
-    return Pick(best, 0, reason)
+        raise Unavailable(f"no {what} in rotation")
+    return policy.pick(workers, query)
 
 
 def place(
     registry: PoolRegistry,
+    policy: PlacementPolicy,
     choice: TierChoice,
     prompt_token_ids: Sequence[int],
     cache_salt: bytes,
     load_cost_tokens: int,
     avoid: Collection[str] = (),
 ) -> Plan:
-    """Chooses the workers for one attempt on the chosen tier."""
+    """Chooses the workers for one attempt on the chosen tier; `policy` is that tier's."""
     tier = choice.tier
     stats = registry.stats_of(tier)
     block_size = stats.block_size if stats is not None and stats.block_size else 16
     fingerprint = registry.fingerprint(tier) or ""
     hashes = prompt_block_hashes(prompt_token_ids, block_size, fingerprint, cache_salt)
+    query = PromptQuery(hashes, block_size, load_cost_tokens, avoid)
     if registry.can_split(tier):
-        prefill = pick_by_prefix(
-            registry.in_rotation(tier, Role.PREFILL), hashes, block_size, load_cost_tokens, avoid
+        prefill = _pick(policy, registry.in_rotation(tier, Role.PREFILL), query, "worker")
+        decode = _pick(
+            _DECODE_POLICY, registry.in_rotation(tier, Role.DECODE), query, "decode worker"
         )
-        decode = pick_decode(registry.in_rotation(tier, Role.DECODE), avoid)
         return Plan(
             tier=tier,
             fallback=choice.fallback,
@@ -178,9 +130,7 @@ def place(
             reason=f"{choice.reason}; split; prefill {prefill.reason}; decode {decode.reason}",
             expected_prefix_hit_tokens=prefill.prefix_hit_tokens,
         )
-    colocated = pick_by_prefix(
-        registry.in_rotation(tier, Role.COLOCATED), hashes, block_size, load_cost_tokens, avoid
-    )
+    colocated = _pick(policy, registry.in_rotation(tier, Role.COLOCATED), query, "worker")
     return Plan(
         tier=tier,
         fallback=choice.fallback,

@@ -11,6 +11,7 @@ tiers:
     prefill: [127.0.0.1:50061]
     decode: [127.0.0.1:50062]
     colocated: []
+    placement: prefix-affinity     # or least-load, round-robin (services/router/policies)
   - name: smollm2-135m-int8
     ...
 auto:                               # model "auto": easy requests go to the cheap tier
@@ -30,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from services.router.policies import DEFAULT_POLICY, POLICIES
+
 
 class TierConfigError(ValueError):
     """The pools file is malformed; the message names the offending entry."""
@@ -48,6 +51,8 @@ class TierSpec:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     colocated: tuple[str, ...]
+    placement: str = DEFAULT_POLICY
+    """How the prompt's worker is picked: a name in services/router/policies.POLICIES."""
 
     @property
     def usd_per_1k_tokens(self) -> float:
@@ -94,6 +99,15 @@ def _addresses(entry: Mapping[str, Any], key: str, tier: str) -> tuple[str, ...]
     return tuple(value)
 
 
+def _placement(entry: Mapping[str, Any], tier: str) -> str:
+    policy = str(entry.get("placement", DEFAULT_POLICY))
+    if policy not in POLICIES:
+        raise TierConfigError(
+            f"tier {tier!r}: placement {policy!r} is not one of {', '.join(POLICIES)}"
+        )
+    return policy
+
+
 def _tier(entry: Any) -> TierSpec:
     if not isinstance(entry, Mapping) or not entry.get("name"):
         raise TierConfigError(f"each tier needs a name, got {entry!r}")
@@ -108,6 +122,7 @@ def _tier(entry: Any) -> TierSpec:
         prefill=_addresses(entry, "prefill", name),
         decode=_addresses(entry, "decode", name),
         colocated=_addresses(entry, "colocated", name),
+        placement=_placement(entry, name),
     )
 
 

@@ -13,12 +13,14 @@ from services.router.orchestrator import Orchestrator
 from services.router.peers import Peers
 from services.router.pools import PoolRegistry
 from services.router.tiers import AutoRule
+from services.router.worker_client import GrpcWorkers
 from tests.unit.router.factories import healthy, registry, tier
 
 
 def _orchestrator(pools: PoolRegistry) -> Orchestrator:
     peers = Peers(MeshMember(MeshRole.ROUTER, ROUTER_MEMBER_NAME, MeshKeys.from_secret("")))
-    return Orchestrator(pools, peers, WorkerMonitor(pools, peers, 1.0, 1.0), load_cost_tokens=64)
+    monitor = WorkerMonitor(pools, peers, 1.0, 1.0)
+    return Orchestrator(pools, GrpcWorkers(peers), monitor, load_cost_tokens=64)
 
 
 def _request(model: str, prompt_tokens: int, max_tokens: int) -> common_pb2.InferenceRequest:

@@ -1,18 +1,17 @@
-"""The split path's calls to the workers, against stand-in stubs: when the first token goes
+"""The split path's calls to the workers, against a stand-in WorkerClient: when the first token goes
 out and the Decode call opens, what it is sent, and what is cancelled, released or resumed when
 something fails."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
-import grpc
 import pytest
 
-from kvmesh.errors import Unavailable
+from kvmesh.errors import KvmeshError, Unavailable
 from kvmesh.v1 import common_pb2, worker_pb2
 from services.router.orchestrator import Orchestrator
 from tests.unit.router.factories import healthy, registry, tier
@@ -28,51 +27,25 @@ LENGTH = common_pb2.GenerateEvent(
 )
 
 
-DecodeStep: TypeAlias = common_pb2.GenerateEvent | grpc.aio.AioRpcError | asyncio.Event
-"""What a stand-in Decode call does next: stream an event, fail, or wait for the event."""
+DecodeStep: TypeAlias = common_pb2.GenerateEvent | KvmeshError | asyncio.Event
+"""What a stand-in Decode does next: stream an event, fail, or wait for the event."""
 
 
 @dataclass
 class FakeDecodeCall:
-    """A Decode call: records what is written; plays `steps` once the start arrived."""
+    """One Decode: what it was sent, and whether the router let go of it (it always must)."""
 
-    steps: list[DecodeStep]
-    written: list[worker_pb2.DecodeMessage] = field(default_factory=list)
+    written: list[worker_pb2.DecodeMessage]
     cancelled: bool = False
-    _started: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def write(self, message: worker_pb2.DecodeMessage) -> None:
-        self.written.append(message)
-        self._started.set()
-
-    async def done_writing(self) -> None:
-        return None
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        return True
-
-    async def _stream(self) -> AsyncIterator[common_pb2.GenerateEvent]:
-        await self._started.wait()
-        for step in self.steps:
-            if isinstance(step, asyncio.Event):
-                await step.wait()
-            elif isinstance(step, grpc.aio.AioRpcError):
-                raise step
-            else:
-                yield step
-
-    def __aiter__(self) -> AsyncIterator[common_pb2.GenerateEvent]:
-        return self._stream()
 
 
 @dataclass
 class FakeWorkers:
-    """Both workers' stubs. The first Prefill answers when the test resolves `prefill`, later
-    ones with `retry_prefill`; the first Decode call plays `decode_steps`, later ones
-    `retry_decode_steps` (both default to the first call's)."""
+    """A WorkerClient over stand-in workers. The first Prefill answers when the test resolves
+    `prefill`, later ones with `retry_prefill`; the first Decode plays `decode_steps`, later
+    ones `retry_decode_steps` (both default to the first call's)."""
 
-    prefill: asyncio.Future[worker_pb2.PrefillResponse]
+    prefill_answer: asyncio.Future[worker_pb2.PrefillResponse]
     decode_steps: list[DecodeStep]
     retry_prefill: worker_pb2.PrefillResponse | None = None
     retry_decode_steps: list[DecodeStep] | None = None
@@ -80,30 +53,40 @@ class FakeWorkers:
     decode_calls: list[FakeDecodeCall] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
 
-    def worker(self, address: str, traced: bool = True) -> Any:
-        return self
+    def colocated(
+        self, address: str, request: common_pb2.InferenceRequest, time_left: float | None
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        raise AssertionError("these tests place every request split")
 
-    def Prefill(
-        self, request: worker_pb2.PrefillRequest, timeout: float | None
-    ) -> Awaitable[worker_pb2.PrefillResponse]:
+    async def prefill(
+        self, address: str, request: worker_pb2.PrefillRequest, time_left: float | None
+    ) -> worker_pb2.PrefillResponse:
         self.prefill_requests.append(request)
         if len(self.prefill_requests) > 1 and self.retry_prefill is not None:
-            return asyncio.sleep(0, self.retry_prefill)
-        return asyncio.shield(self.prefill)
+            return self.retry_prefill
+        return await asyncio.shield(self.prefill_answer)
 
-    def Decode(self, timeout: float | None) -> FakeDecodeCall:
+    async def decode(
+        self, address: str, start: worker_pb2.DecodeRequest, time_left: float | None
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
         steps = self.decode_steps
         if self.decode_calls and self.retry_decode_steps is not None:
             steps = self.retry_decode_steps
-        call = FakeDecodeCall(steps)
+        call = FakeDecodeCall([worker_pb2.DecodeMessage(start=start)])
         self.decode_calls.append(call)
-        return call
+        try:
+            for step in steps:
+                if isinstance(step, asyncio.Event):
+                    await step.wait()
+                elif isinstance(step, KvmeshError):
+                    raise step
+                else:
+                    yield step
+        finally:
+            call.cancelled = True
 
-    def ReleaseKv(
-        self, request: worker_pb2.ReleaseKvRequest, timeout: float
-    ) -> Awaitable[worker_pb2.ReleaseKvResponse]:
-        self.released.append(request.lease_id)
-        return asyncio.sleep(0, worker_pb2.ReleaseKvResponse(blocks_released=1))
+    async def release(self, address: str, lease_id: str) -> None:
+        self.released.append(lease_id)
 
 
 class NoMonitor:
@@ -127,10 +110,9 @@ async def run(orchestrator: Orchestrator) -> list[common_pb2.GenerateEvent]:
     return [event async for event in events]
 
 
-def rpc_error(details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
-    )
+def rpc_error(details: str) -> KvmeshError:
+    """A worker's failure as the WorkerClient reports it."""
+    return Unavailable(details)
 
 
 def chunk(*token_ids: int) -> common_pb2.GenerateEvent:
@@ -157,11 +139,11 @@ async def test_the_decode_call_opens_once_the_prefill_answered() -> None:
     running = asyncio.ensure_future(run(orchestrator(workers)))
     for _ in range(20):
         await asyncio.sleep(0)
-    assert not workers.prefill.done()
+    assert not workers.prefill_answer.done()
     # Not opened while the prompt runs: setting it up would slow the Prefill call's start.
     assert workers.decode_calls == []
 
-    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
     events = await running
     assert kinds(events) == ["started", "chunk", "finished"]
     (call,) = workers.decode_calls
@@ -173,7 +155,7 @@ async def test_the_decode_call_opens_once_the_prefill_answered() -> None:
 
 async def test_a_failed_prefill_opens_no_decode_call() -> None:
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [])
-    workers.prefill.set_exception(rpc_error("gone"))
+    workers.prefill_answer.set_exception(rpc_error("gone"))
     with pytest.raises(Unavailable, match="gone"):
         await run(orchestrator(workers))
     assert len(workers.prefill_requests) == 2  # the first try and the retry
@@ -183,7 +165,9 @@ async def test_a_failed_prefill_opens_no_decode_call() -> None:
 async def test_a_request_ended_by_its_first_token_opens_no_decode_call() -> None:
     finished = common_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_STOP)
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [])
-    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, finished=finished))
+    workers.prefill_answer.set_result(
+        worker_pb2.PrefillResponse(first_token=FIRST, finished=finished)
+    )
     events = await run(orchestrator(workers))
     assert kinds(events) == ["started", "chunk", "finished"]
     assert workers.decode_calls == []
@@ -191,7 +175,7 @@ async def test_a_request_ended_by_its_first_token_opens_no_decode_call() -> None
 
 async def test_a_decode_that_never_starts_releases_the_lease() -> None:
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [])  # ends at once
-    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
     with pytest.raises(Unavailable):
         await run(orchestrator(workers))
     await asyncio.sleep(0.01)  # releases run in the background
@@ -204,7 +188,7 @@ async def test_the_first_token_reaches_the_caller_before_the_kv_hand_off() -> No
     workers = FakeWorkers(
         asyncio.get_running_loop().create_future(), [importing, ECHO, chunk(8), LENGTH]
     )
-    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
     events = orchestrator(workers).run(inference_request(), None, asyncio.Event(), set())
     ahead = await first_two(events)
     assert kinds(ahead) == ["started", "chunk"] and ahead[1].chunk == FIRST
@@ -229,7 +213,7 @@ async def test_a_hand_off_failing_after_the_first_token_resumes_from_that_token(
         ),
         retry_decode_steps=[ECHO, chunk(8), LENGTH],
     )
-    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
     events = await run(orchestrator(workers))
     assert kinds(events) == ["started", "chunk", "chunk", "finished"]
     assert tokens(events) == [7, 8]
@@ -246,7 +230,7 @@ async def test_a_failure_after_the_hand_off_is_not_resumed() -> None:
     workers = FakeWorkers(
         asyncio.get_running_loop().create_future(), [ECHO, chunk(8), rpc_error("decode died")]
     )
-    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
     with pytest.raises(Unavailable, match="not re-run") as raised:
         await run(orchestrator(workers))
     assert "completion_tokens=2" in raised.value.message
@@ -266,7 +250,7 @@ async def test_a_resumed_prompt_ending_at_its_own_first_token_cannot_continue() 
             first_token=common_pb2.TokenChunk(token_ids=[2]), finished=stop
         ),
     )
-    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
     with pytest.raises(Unavailable, match="second run ended at its own first token"):
         await run(orchestrator(workers))
     assert len(workers.prefill_requests) == 2
@@ -276,7 +260,7 @@ async def test_a_resumed_prompt_ending_at_its_own_first_token_cannot_continue() 
 
 async def test_a_cancel_during_the_hand_off_aborts_with_the_first_token_counted() -> None:
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [asyncio.Event()])
-    workers.prefill.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
     cancelled = asyncio.Event()
     events = orchestrator(workers).run(inference_request(), None, cancelled, set())
     ahead = await first_two(events)

@@ -6,15 +6,11 @@ import pytest
 
 from kvmesh.contracts.block_hashes import hash_block_chain
 from kvmesh.errors import Unavailable
-from services.router.placement import (
-    leading_hits,
-    pick_by_prefix,
-    pick_decode,
-    place,
-    prompt_block_hashes,
-    resolve_tier,
-)
-from services.router.pools import Role
+from services.router.placement import place, prompt_block_hashes, resolve_tier
+from services.router.policies.base import Pick, PromptQuery
+from services.router.policies.least_load import LeastLoad
+from services.router.policies.prefix_affinity import PrefixAffinity, leading_hits
+from services.router.pools import Role, WorkerState
 from tests.unit.router.factories import FINGERPRINT, healthy, registry, tier
 
 PROMPT = list(range(100, 180))  # 5 full blocks of 16
@@ -22,6 +18,16 @@ PROMPT = list(range(100, 180))  # 5 full blocks of 16
 
 def _hashes(tokens: list[int], salt: bytes = b"") -> list[bytes]:
     return prompt_block_hashes(tokens, 16, FINGERPRINT, salt)
+
+
+def pick_by_prefix(
+    workers: list[WorkerState], hashes: list[bytes], block_size: int, load_cost_tokens: int
+) -> Pick:
+    return PrefixAffinity().pick(workers, PromptQuery(hashes, block_size, load_cost_tokens))
+
+
+def pick_decode(workers: list[WorkerState]) -> Pick:
+    return LeastLoad().pick(workers, PromptQuery([], 16, 0))
 
 
 def test_prompt_hashes_are_the_engines_full_block_chain() -> None:
@@ -76,7 +82,7 @@ def test_avoided_workers_are_used_only_without_alternative() -> None:
     for address in ("p:1", "p:2", "d:1"):
         healthy(pools, address)
     choice = resolve_tier(pools, "t")
-    plan = place(pools, choice, PROMPT, b"", 32, avoid={"p:1", "d:1"})
+    plan = place(pools, PrefixAffinity(), choice, PROMPT, b"", 32, avoid={"p:1", "d:1"})
     assert plan.prefill.address == "p:2"
     assert plan.decode is not None and plan.decode.address == "d:1"
 
@@ -85,10 +91,10 @@ def test_split_when_both_pools_serve_else_colocated() -> None:
     pools = registry(tier("t", prefill=("p:1",), decode=("d:1",), colocated=("c:1",)))
     for address in ("p:1", "d:1", "c:1"):
         healthy(pools, address)
-    split = place(pools, resolve_tier(pools, "t"), PROMPT, b"", 32)
+    split = place(pools, PrefixAffinity(), resolve_tier(pools, "t"), PROMPT, b"", 32)
     assert not split.colocated and "split" in split.reason
     pools.record_check("d:1", None, "down")
-    colocated = place(pools, resolve_tier(pools, "t"), PROMPT, b"", 32)
+    colocated = place(pools, PrefixAffinity(), resolve_tier(pools, "t"), PROMPT, b"", 32)
     assert colocated.colocated and colocated.prefill.address == "c:1"
     assert colocated.workers == (colocated.prefill,)
 

@@ -1,0 +1,121 @@
+"""The four calls the router makes to workers, behind one small interface.
+
+The orchestrator keeps the rules (attempts, resume, retry, releases); a `WorkerClient` makes
+the calls and reports failures as KvmeshError naming the RPC and the worker, so that the rules
+never see a gRPC object and their tests fake these four methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
+
+import grpc
+
+from kvmesh.errors import KvmeshError
+from kvmesh.rpc_status import error_from_rpc
+from kvmesh.v1 import common_pb2, worker_pb2
+from services.router.peers import Peers
+
+log = logging.getLogger(__name__)
+
+RELEASE_TIMEOUT_S = 2.0
+
+
+class WorkerClient(Protocol):
+    """Calls to one worker each; `time_left` is the caller's, in seconds (None: no deadline)."""
+
+    def colocated(
+        self, address: str, request: common_pb2.InferenceRequest, time_left: float | None
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        """Generate on a colocated worker: its events until Finished (closing cancels it)."""
+        ...
+
+    async def prefill(
+        self, address: str, request: worker_pb2.PrefillRequest, time_left: float | None
+    ) -> worker_pb2.PrefillResponse:
+        """Prefill: the first token, and a lease on the prompt's KV unless it finished."""
+        ...
+
+    def decode(
+        self, address: str, start: worker_pb2.DecodeRequest, time_left: float | None
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        """Decode a lease's KV: the echo of the first token once imported, then the rest
+        (closing cancels the call)."""
+        ...
+
+    async def release(self, address: str, lease_id: str) -> None:
+        """Ends a lease no decode imported; a failure is logged (the lease's TTL covers it)."""
+        ...
+
+
+class GrpcWorkers:
+    """WorkerClient over the router's traced channels."""
+
+    def __init__(self, peers: Peers) -> None:
+        self._peers = peers
+
+    async def colocated(
+        self, address: str, request: common_pb2.InferenceRequest, time_left: float | None
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        call = self._peers.worker(address).Generate(timeout=time_left)
+        try:
+            # The router stops a worker by cancelling the call, never by a Cancel message.
+            await _send_only(call, worker_pb2.WorkerGenerateMessage(request=request))
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as error:
+            raise _worker_error(error, "Generate", address) from None
+        finally:
+            call.cancel()
+
+    async def prefill(
+        self, address: str, request: worker_pb2.PrefillRequest, time_left: float | None
+    ) -> worker_pb2.PrefillResponse:
+        try:
+            response: worker_pb2.PrefillResponse = await self._peers.worker(address).Prefill(
+                request, timeout=time_left
+            )
+        except grpc.aio.AioRpcError as error:
+            raise _worker_error(error, "Prefill", address) from None
+        return response
+
+    async def decode(
+        self, address: str, start: worker_pb2.DecodeRequest, time_left: float | None
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        call = self._peers.worker(address).Decode(timeout=time_left)
+        try:
+            await _send_only(call, worker_pb2.DecodeMessage(start=start))
+            async for event in call:
+                yield event
+        except grpc.aio.AioRpcError as error:
+            raise _worker_error(error, "Decode", address) from None
+        finally:
+            call.cancel()
+
+    async def release(self, address: str, lease_id: str) -> None:
+        try:
+            await self._peers.worker(address).ReleaseKv(
+                worker_pb2.ReleaseKvRequest(lease_id=lease_id), timeout=RELEASE_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as error:
+            log.info("ReleaseKv %s on %s: %s", lease_id, address, error.code().name)
+
+
+async def _send_only(call: Any, message: Any) -> None:
+    """Writes a call's one message and closes its sending side.
+
+    A call the worker already ended (it died, or refused at once) raises InvalidStateError on
+    write; reading the call then raises its real status, which the retry rules act on."""
+    with contextlib.suppress(asyncio.InvalidStateError):
+        await call.write(message)
+        await call.done_writing()
+
+
+def _worker_error(error: grpc.aio.AioRpcError, rpc: str, address: str) -> KvmeshError:
+    typed = error_from_rpc(error)
+    typed.message = f"{rpc} on {address}: {typed.message}"
+    return typed
