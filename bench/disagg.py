@@ -386,8 +386,8 @@ def mode_report(
 
 def agreement(args: argparse.Namespace) -> dict[str, Any]:
     """Greedy int8 vs full outputs on fixed short prompts: the measured cost of routing down."""
+    from services.worker.engine.api import SamplingParams
     from services.worker.engine.llm import LLM
-    from services.worker.engine.request import SamplingParams
 
     prompts = Prompts(args.model, seed=12345)
     batch = [prompts.make(args.agreement_prompt_tokens) for _ in range(args.agreement_prompts)]

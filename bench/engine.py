@@ -36,10 +36,10 @@ from rich.table import Table
 from transformers import LlamaForCausalLM
 
 from bench.report import BENCHMARKS, RESULTS, write_results, write_section
+from services.worker.engine.api import EngineRequest, SamplingParams
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.loader import LoadedModel, load_model, save_hf_folder
-from services.worker.engine.request import EngineRequest, SamplingParams
 
 MODEL = "smollm2-135m"
 # Enough KV for all 64 throughput requests at once (64 x 640 tokens ~ 1.9 GB in fp32).

@@ -55,9 +55,8 @@ from kvmesh.supervisor import Supervisor
 from kvmesh.up import start_waves
 from kvmesh.v1 import gateway_pb2
 from services.worker.backends import create_engine
-from services.worker.backends.interface import EngineBackend
+from services.worker.engine.api import EngineBackend, EngineRequest, SamplingParams
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.request import EngineRequest, SamplingParams
 
 HEADING = "## Mesh vs engine"
 THROUGHPUT_GOAL = 0.9

@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass
 from bench.report import BENCHMARKS, write_results, write_section
 from kvmesh.bench_report import percentile
 from services.worker.backends import create_engine
-from services.worker.backends.interface import EngineBackend
+from services.worker.engine.api import EngineBackend, EngineRequest, SamplingParams
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.request import EngineRequest, SamplingParams
 
 HEADING = "## vLLM"
 

@@ -848,6 +848,7 @@ class KvLayout(_message.Message):
     NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
     HEAD_DIM_FIELD_NUMBER: _builtins.int
     ENGINE_FIELD_NUMBER: _builtins.int
+    FORMAT_VERSION_FIELD_NUMBER: _builtins.int
     dtype: _builtins.str
     """Element type of the K/V tensors ("float32", "bfloat16", "float16")."""
     block_size: _builtins.int
@@ -860,6 +861,10 @@ class KvLayout(_message.Message):
     """Dimension of each head."""
     engine: _builtins.str
     """Engine backend that wrote the blocks ("native", "vllm"): byte order of a block."""
+    format_version: _builtins.int
+    """Version of a block's byte format (services/worker/engine/api.py, KV_FORMAT_VERSION); bumped
+    whenever the bytes of an exported block change, so mismatched engines refuse to exchange.
+    """
     def __init__(
         self,
         *,
@@ -869,10 +874,11 @@ class KvLayout(_message.Message):
         num_kv_heads: _builtins.int = ...,
         head_dim: _builtins.int = ...,
         engine: _builtins.str = ...,
+        format_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "engine", b"engine", "head_dim", b"head_dim", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "dtype", b"dtype", "engine", b"engine", "format_version", b"format_version", "head_dim", b"head_dim", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

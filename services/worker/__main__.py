@@ -19,8 +19,9 @@ from kvmesh.grpc_server import (
 from kvmesh.mesh_auth import mesh_guard
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
-from services.worker.backends import EngineBackend, create_engine
+from services.worker.backends import create_engine
 from services.worker.config import WorkerConfig
+from services.worker.engine.api import EngineBackend
 from services.worker.engine.config import EngineConfig
 from services.worker.leases import LeaseSweeper, LeaseTable
 from services.worker.servicer import WorkerServicer

@@ -11,7 +11,7 @@ from kvmesh.contracts.constraints import checked_constraint
 from kvmesh.errors import InvalidArgument
 from kvmesh.request_limits import check_inference_request
 from kvmesh.v1 import common_pb2
-from services.worker.engine.request import (
+from services.worker.engine.api import (
     EngineRequest,
     FinishReason,
     Priority,
@@ -21,7 +21,7 @@ from services.worker.engine.request import (
 )
 
 if TYPE_CHECKING:
-    from services.worker.engine.model_runner import KvLayout
+    from services.worker.engine.api import KvLayout
 
 DEADLINE_MARGIN_S = 0.05
 """The engine stops this long before the gRPC deadline, so its partial output still arrives."""
@@ -141,4 +141,5 @@ def layout_proto(layout: KvLayout) -> common_pb2.KvLayout:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         engine=layout.engine,
+        format_version=layout.format_version,
     )

@@ -17,12 +17,12 @@ from kvmesh.errors import InvalidArgument, NotFound
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import common_pb2
 from services.worker import metrics
-from services.worker.engine.request import KvHandle
+from services.worker.engine.api import KvHandle
 from services.worker.kv_transfer import Pacer, check_compatible, chunk_block
 from services.worker.leases import LeaseRecord, LeaseTable
 
 if TYPE_CHECKING:
-    from services.worker.backends import EngineBackend
+    from services.worker.engine.api import EngineBackend
 
 PULL_READ_BYTES = 8 << 20
 """Most KV bytes a PullKv reads out of the engine at once (at least one block): a pull of any

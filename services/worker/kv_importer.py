@@ -36,12 +36,11 @@ from kvmesh.streams import run_unless_cancelled
 from kvmesh.telemetry import tracer
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker import metrics
-from services.worker.engine.kv_cache_manager import KvCapacityError
-from services.worker.engine.request import EngineRequest, ImportPlan
+from services.worker.engine.api import EngineRequest, ImportPlan, KvCapacityError
 from services.worker.kv_transfer import BlockAssembler
 
 if TYPE_CHECKING:
-    from services.worker.backends import EngineBackend
+    from services.worker.engine.api import EngineBackend
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)

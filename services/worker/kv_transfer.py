@@ -90,7 +90,8 @@ def check_compatible(
 def _describe(layout: common_pb2.KvLayout) -> str:
     return (
         f"{layout.engine}/{layout.dtype} block_size={layout.block_size} "
-        f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} head_dim={layout.head_dim}"
+        f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} head_dim={layout.head_dim} "
+        f"format v{layout.format_version}"
     )
 
 

@@ -44,11 +44,11 @@ from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker import metrics
 from services.worker.config import WorkerConfig
 from services.worker.convert import engine_request, finished, layout_proto, token_chunk
-from services.worker.engine.kv_cache_manager import KvCapacityError
-from services.worker.engine.request import (
+from services.worker.engine.api import (
     EngineRequest,
     FinishReason,
     ImportPlan,
+    KvCapacityError,
     RequestOutput,
 )
 from services.worker.kv_exporter import KvExporter
@@ -57,7 +57,7 @@ from services.worker.kv_transfer import check_compatible
 from services.worker.leases import LeaseTable
 
 if TYPE_CHECKING:
-    from services.worker.backends import EngineBackend
+    from services.worker.engine.api import EngineBackend
 
 log = logging.getLogger(__name__)
 _tracer = tracer(__name__)

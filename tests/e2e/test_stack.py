@@ -198,8 +198,8 @@ def metric(samples: dict[Any, float], name: str, **labels: str) -> float:
 
 
 def expected_tokens(model_dir: Path, prompt: str) -> list[int]:
+    from services.worker.engine.api import SamplingParams
     from services.worker.engine.llm import LLM
-    from services.worker.engine.request import SamplingParams
 
     [completion] = LLM(model=str(model_dir)).generate(
         [prompt], SamplingParams(max_tokens=MAX_TOKENS)

@@ -1,14 +1,14 @@
 """Engine backends of the worker: kvmesh's own engine (the default) and vLLM.
 
-`create_engine("native" | "vllm", config)` builds either behind the same API (see
-`interface.EngineBackend`). The vLLM backend imports vLLM only when asked for, so workers
-without the `kvmesh[vllm]` extra never touch it.
+`create_engine("native" | "vllm", config)` builds either behind the same API
+(`services.worker.engine.api.EngineBackend`). The vLLM backend imports vLLM only when asked
+for, so workers without the `kvmesh[vllm]` extra never touch it.
 """
 
 from __future__ import annotations
 
-from services.worker.backends.interface import EngineBackend
 from services.worker.config import ENGINE_KINDS
+from services.worker.engine.api import EngineBackend
 from services.worker.engine.config import EngineConfig
 
 __all__ = ["ENGINE_KINDS", "EngineBackend", "create_engine"]

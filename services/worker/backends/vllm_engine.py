@@ -48,20 +48,23 @@ from kvmesh.contracts.model_files import resolve_model_path
 from services.worker.backends import vllm_connector
 from services.worker.backends.kv_files import BlockFiles, make_store_dir
 from services.worker.backends.kv_wire import WIRE_FORMATS
-from services.worker.engine.config import EngineConfig
-from services.worker.engine.engine import THROUGHPUT_WINDOW_S, EngineStats
-from services.worker.engine.kv_cache_manager import KvCapacityError, cdiv
-from services.worker.engine.loader import LoadedModel, load_model, save_hf_folder, torch_dtype
-from services.worker.engine.model_runner import KvLayout, dtype_name
-from services.worker.engine.request import (
+from services.worker.engine.api import (
+    THROUGHPUT_WINDOW_S,
     EngineRequest,
+    EngineStats,
     FinishReason,
     ImportPlan,
+    KvCapacityError,
     KvHandle,
+    KvLayout,
     RequestOutput,
     SamplingParams,
     TokenLogprob,
 )
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.kv_cache_manager import cdiv
+from services.worker.engine.loader import LoadedModel, load_model, save_hf_folder, torch_dtype
+from services.worker.engine.model_runner import dtype_name
 
 log = logging.getLogger(__name__)
 

@@ -23,17 +23,18 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from services.worker.engine.block_copies import BlockCopies
-from services.worker.engine.config import EngineConfig
-from services.worker.engine.engine import Engine, EngineStats, select_blocks
-from services.worker.engine.request import (
+from services.worker.engine.api import (
     EngineRequest,
+    EngineStats,
     FinishReason,
     ImportPlan,
     KvHandle,
     Priority,
     RequestOutput,
 )
+from services.worker.engine.block_copies import BlockCopies
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine, select_blocks
 
 logger = logging.getLogger(__name__)
 

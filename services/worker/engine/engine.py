@@ -13,55 +13,36 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from kvmesh.contracts.tokenizer import IncrementalDetokenizer
-from services.worker.engine.block_pool import BlockPool
-from services.worker.engine.config import EngineConfig
-from services.worker.engine.decode_kernel import choose_decode_kernel
-from services.worker.engine.kv_cache_manager import KvCacheManager, KvCapacityError, cdiv
-from services.worker.engine.linear_kernel import choose_linear_kernel
-from services.worker.engine.loader import LoadedModel, load_model, torch_dtype
-from services.worker.engine.model_runner import BatchEntry, KvLayout, ModelRunner
-from services.worker.engine.models import StepInterrupted
-from services.worker.engine.output_processor import OutputProcessor
-from services.worker.engine.request import (
+from services.worker.engine.api import (
+    THROUGHPUT_WINDOW_S,
     EngineRequest,
+    EngineStats,
     FinishReason,
     ImportPlan,
+    KvCapacityError,
     KvHandle,
     Priority,
     RequestOutput,
-    RequestState,
     TokenLogprob,
 )
+from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.decode_kernel import choose_decode_kernel
+from services.worker.engine.kv_cache_manager import KvCacheManager, cdiv
+from services.worker.engine.linear_kernel import choose_linear_kernel
+from services.worker.engine.loader import LoadedModel, load_model, torch_dtype
+from services.worker.engine.model_runner import BatchEntry, ModelRunner
+from services.worker.engine.models import StepInterrupted
+from services.worker.engine.output_processor import OutputProcessor
+from services.worker.engine.request import RequestState
 from services.worker.engine.sampler import Sampler, SampleRow
 from services.worker.engine.scheduler import ScheduledChunk, Scheduler
 
 logger = logging.getLogger(__name__)
-
-# Output tokens per second are measured over this trailing window.
-THROUGHPUT_WINDOW_S = 10.0
-
-
-@dataclass(slots=True)
-class EngineStats:
-    running: int
-    waiting: int
-    kv_blocks_free: int
-    kv_blocks_total: int
-    block_size: int
-    prefix_queries_tokens: int
-    prefix_hit_tokens: int
-    cached_block_hashes: list[bytes]
-    tokens_per_second: float
-    layout: KvLayout
-    fingerprint: str
-    num_held_handles: int = 0
-    num_preemptions: int = 0
-    num_interrupted_steps: int = 0
 
 
 class Engine:

@@ -10,12 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvmesh.contracts.block_hashes import ROOT_PARENT_HASH, hash_block
+from services.worker.engine.api import KvCapacityError
 from services.worker.engine.block_pool import BlockKey, BlockPool
 from services.worker.engine.request import RequestState
-
-
-class KvCapacityError(RuntimeError):
-    """The block pool cannot hold the blocks asked for."""
 
 
 def cdiv(a: int, b: int) -> int:

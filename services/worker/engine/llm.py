@@ -6,15 +6,10 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.worker.engine.api import Completion, EngineRequest, FinishReason, SamplingParams
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.loader import LoadedModel
-from services.worker.engine.request import (
-    Completion,
-    EngineRequest,
-    FinishReason,
-    SamplingParams,
-)
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
+from services.worker.engine.api import KvLayout
 from services.worker.engine.attention import (
     AttentionBatch,
     DecodeGroup,
@@ -30,22 +31,6 @@ from services.worker.engine.models.llama import ModelConfig, Project, project_wi
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-@dataclass(slots=True, frozen=True)
-class KvLayout:
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32", "bfloat16"
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    engine: str = "native"
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes of one block: all layers, K and V."""
-        itemsize: int = getattr(torch, self.dtype).itemsize
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
 @dataclass(slots=True)

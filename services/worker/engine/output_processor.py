@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from services.worker.engine.request import FinishReason, SamplingParams
+from services.worker.engine.api import FinishReason, SamplingParams
 
 
 class TextDecoder(Protocol):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.request import SamplingParams, TokenLogprob
+from services.worker.engine.api import SamplingParams, TokenLogprob
 
 
 @dataclass(slots=True)

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.worker.engine.api import Priority
 from services.worker.engine.kv_cache_manager import KvCacheManager
-from services.worker.engine.request import Priority, RequestState, RequestStatus
+from services.worker.engine.request import RequestState, RequestStatus
 
 
 @dataclass(slots=True)

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.worker.engine.api import EngineRequest, Priority, SamplingParams
 from services.worker.engine.output_processor import OutputProcessor
-from services.worker.engine.request import (
-    EngineRequest,
-    Priority,
-    RequestState,
-    SamplingParams,
-)
+from services.worker.engine.request import RequestState
 
 
 class PieceDecoder:

@@ -13,11 +13,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from services.worker.engine.async_engine import AsyncEngine
-from services.worker.engine.config import EngineConfig
-from services.worker.engine.engine import Engine
-from services.worker.engine.loader import LoadedModel, load_model
-from services.worker.engine.request import (
+from services.worker.engine.api import (
     EngineRequest,
     FinishReason,
     ImportPlan,
@@ -26,6 +22,10 @@ from services.worker.engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from services.worker.engine.async_engine import AsyncEngine
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.loader import LoadedModel, load_model
 from tests.thread_gate import Gate
 
 NUM_BLOCKS = 32

@@ -12,18 +12,18 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from services.worker.engine.config import EngineConfig
-from services.worker.engine.engine import Engine
-from services.worker.engine.kv_cache_manager import KvCapacityError
-from services.worker.engine.linear_kernel import SmallBatchLinear
-from services.worker.engine.loader import LoadedModel, load_model
-from services.worker.engine.request import (
+from services.worker.engine.api import (
     EngineRequest,
     FinishReason,
+    KvCapacityError,
     Priority,
     RequestOutput,
     SamplingParams,
 )
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.linear_kernel import SmallBatchLinear
+from services.worker.engine.loader import LoadedModel, load_model
 
 NUM_NEW = 32
 PROMPT_LENGTHS = [5, 17, 33, 48, 64, 70, 90, 120]

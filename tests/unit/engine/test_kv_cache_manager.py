@@ -1,8 +1,9 @@
 import pytest
 
 from kvmesh.contracts.block_hashes import hash_block, hash_block_chain
+from services.worker.engine.api import KvCapacityError
 from services.worker.engine.block_pool import BlockPool
-from services.worker.engine.kv_cache_manager import KvCacheManager, KvCapacityError
+from services.worker.engine.kv_cache_manager import KvCacheManager
 from services.worker.engine.request import RequestState
 from tests.unit.engine.factories import make_state
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from services.worker.engine.api import FinishReason, SamplingParams
 from services.worker.engine.llm import LLM
 from services.worker.engine.loader import LoadedModel, save_hf_folder
-from services.worker.engine.request import FinishReason, SamplingParams
 
 PROMPTS = [
     "The capital of France is",

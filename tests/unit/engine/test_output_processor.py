@@ -1,7 +1,7 @@
 import pytest
 
+from services.worker.engine.api import FinishReason, SamplingParams
 from services.worker.engine.output_processor import OutputProcessor
-from services.worker.engine.request import FinishReason, SamplingParams
 from tests.unit.engine.factories import PieceDecoder
 
 PIECES = ["Hi ", "there", " S", "TOP", " more", "x", "<eos>", "TO"]

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from services.worker.engine.request import SamplingParams
+from services.worker.engine.api import SamplingParams
 from services.worker.engine.sampler import Sampler, SampleRow
 
 VOCAB = 50

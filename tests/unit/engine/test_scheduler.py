@@ -1,6 +1,7 @@
+from services.worker.engine.api import Priority
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.kv_cache_manager import KvCacheManager
-from services.worker.engine.request import Priority, RequestState, RequestStatus
+from services.worker.engine.request import RequestState, RequestStatus
 from services.worker.engine.scheduler import Scheduler, SchedulerOutput
 from tests.unit.engine.factories import make_state
 

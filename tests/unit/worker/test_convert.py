@@ -16,7 +16,7 @@ from services.worker.convert import (
     sampling_params,
     token_chunk,
 )
-from services.worker.engine.request import (
+from services.worker.engine.api import (
     FinishReason,
     Priority,
     RequestOutput,

@@ -9,6 +9,7 @@ import pytest
 from kvmesh.errors import DataLoss, FailedPrecondition
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.v1 import common_pb2
+from services.worker.engine.api import KV_FORMAT_VERSION
 from services.worker.kv_transfer import (
     MAX_CHUNK_BYTES,
     BlockAssembler,
@@ -144,6 +145,7 @@ def _layout(**overrides: object) -> common_pb2.KvLayout:
         "num_kv_heads": 2,
         "head_dim": 16,
         "engine": "native",
+        "format_version": KV_FORMAT_VERSION,
     }
     fields.update(overrides)
     return common_pb2.KvLayout(**fields)  # type: ignore[arg-type]
@@ -156,6 +158,12 @@ def test_compatibility_needs_same_fingerprint_and_layout() -> None:
     for change in ({"block_size": 8}, {"dtype": "bfloat16"}, {"engine": "vllm"}):
         with pytest.raises(FailedPrecondition, match="layout"):
             check_compatible("abc", _layout(), "abc", _layout(**change))
+
+
+def test_blocks_of_another_format_version_are_refused() -> None:
+    newer = _layout(format_version=KV_FORMAT_VERSION + 1)
+    with pytest.raises(FailedPrecondition, match=f"format v{KV_FORMAT_VERSION + 1}"):
+        check_compatible("abc", _layout(), "abc", newer)
 
 
 async def test_pacer_holds_the_average_rate() -> None:
