@@ -3,7 +3,9 @@
 Each service declares one dataclass deriving from `ServerConfig`, with a docstring under
 every field. `load_config` turns the fields into `--flag-name` options (help text taken from
 those docstrings) and `<ENV_PREFIX><FIELD_NAME>` environment variables, and returns a frozen
-instance. Nothing is read at import time.
+instance. A field whose type is itself a dataclass (the worker's engine settings) is nested:
+each of its fields is a flag and a variable of the same form, under the service's prefix.
+Nothing is read at import time.
 """
 
 from __future__ import annotations
@@ -129,6 +131,42 @@ def _default(f: dataclasses.Field[Any]) -> str:
     return repr(value) if value == "" else str(value)
 
 
+@dataclasses.dataclass(slots=True, frozen=True)
+class _Setting:
+    """One flag / environment variable: a field, of the config or of a nested dataclass."""
+
+    field: dataclasses.Field[Any]
+    kind: Any
+    doc: str
+    nested_in: str | None
+    """The config field holding the nested dataclass; None for the config's own fields."""
+
+
+def _settings(cls: type) -> list[_Setting]:
+    hints = typing.get_type_hints(cls)
+    docs = field_docs(cls)
+    settings: list[_Setting] = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            nested_hints = typing.get_type_hints(hint)
+            nested_docs = field_docs(hint)
+            settings.extend(
+                _Setting(g, _base_type(nested_hints[g.name]), nested_docs.get(g.name, ""), f.name)
+                for g in dataclasses.fields(hint)
+                if g.init
+            )
+        else:
+            settings.append(_Setting(f, _base_type(hint), docs.get(f.name, ""), None))
+    names = [setting.field.name for setting in settings]
+    clashes = sorted({name for name in names if names.count(name) > 1})
+    if clashes:
+        raise TypeError(f"{cls.__name__}: settings named twice: {', '.join(clashes)}")
+    return settings
+
+
 def load_config(
     cls: type[Config],
     argv: Sequence[str] | None = None,
@@ -137,25 +175,28 @@ def load_config(
 ) -> Config:
     """Builds `cls` from flags (highest), then environment variables, then field defaults."""
     environ = os.environ if environ is None else environ
-    hints = typing.get_type_hints(cls)
-    docs = field_docs(cls)
+    settings = _settings(cls)
     parser = argparse.ArgumentParser(prog=_program(), description=description or cls.__doc__)
-    fields = [f for f in dataclasses.fields(cls) if f.init]
-    for f in fields:
-        kind = _base_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{docs.get(f.name, '')} [env {env_var(cls, f.name)}; default {_default(f)}]"
-        if kind is bool:
+    for setting in settings:
+        name = setting.field.name
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{setting.doc} [env {env_var(cls, name)}; default {_default(setting.field)}]"
+        if setting.kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(flag, type=str, help=help_text, metavar=f.name.upper())
+            parser.add_argument(flag, type=str, help=help_text, metavar=name.upper())
     args = vars(parser.parse_args(argv))
     values: dict[str, Any] = {}
-    for f in fields:
-        kind = _base_type(hints[f.name])
-        raw = args[f.name]
+    nested: dict[str, dict[str, Any]] = {}
+    for setting in settings:
+        name, kind = setting.field.name, setting.kind
+        target = values if setting.nested_in is None else nested.setdefault(setting.nested_in, {})
+        raw = args[name]
         if raw is not None:
-            values[f.name] = raw if kind is bool else _parse_value(kind, raw, f.name)
-        elif (env := environ.get(env_var(cls, f.name))) is not None:
-            values[f.name] = _parse_value(kind, env, env_var(cls, f.name))
+            target[name] = raw if kind is bool else _parse_value(kind, raw, name)
+        elif (env := environ.get(env_var(cls, name))) is not None:
+            target[name] = _parse_value(kind, env, env_var(cls, name))
+    hints = typing.get_type_hints(cls)
+    for holder, fields in nested.items():
+        values[holder] = hints[holder](**fields)
     return cls(**values)

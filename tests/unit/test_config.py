@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -76,3 +77,38 @@ def test_config_is_frozen() -> None:
     config = load_config(DemoConfig, [], environ={})
     with pytest.raises(AttributeError):
         config.port = 1  # type: ignore[misc]
+
+
+def test_every_engine_setting_is_a_worker_flag_and_variable(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The worker nests the engine's config: each engine field is reachable, with its help."""
+    from services.worker.config import WorkerConfig
+    from services.worker.engine.config import EngineConfig
+
+    flags = [
+        "--no-enable-prefix-caching",
+        "--max-model-len", "512",
+        "--decode-attention", "sdpa",
+        "--small-batch-linear", "torch",
+        "--num-kv-blocks", "64",
+    ]  # fmt: skip
+    env = {"KVMESH_WORKER_BLOCK_SIZE": "32", "KVMESH_WORKER_MAX_NUM_SEQS": "7"}
+    config = load_config(WorkerConfig, [*flags, "--role", "decode"], environ=env)
+    assert config.engine_config == EngineConfig(
+        enable_prefix_caching=False,
+        max_model_len=512,
+        decode_attention="sdpa",
+        small_batch_linear="torch",
+        num_kv_blocks=64,
+        block_size=32,
+        max_num_seqs=7,
+    )
+    assert config.role == "decode"
+    assert load_config(WorkerConfig, [], environ={}).engine_config == EngineConfig()
+    with pytest.raises(SystemExit):
+        load_config(WorkerConfig, ["--help"], environ={})
+    help_text = " ".join(capsys.readouterr().out.split())
+    for name in (f.name for f in dataclasses.fields(EngineConfig)):
+        assert f"KVMESH_WORKER_{name.upper()}" in help_text
+    assert "Reuse cached KV blocks of identical prefixes" in help_text

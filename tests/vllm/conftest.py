@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvmesh.config import load_config
-from services.worker.__main__ import build_worker, engine_config
+from services.worker.__main__ import build_worker
 from services.worker.backends.vllm_engine import VllmEngine
 from services.worker.config import WorkerConfig
 from tests.service.worker_mesh import InProcessWorker, worker_args
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 async def start_vllm_worker(model: Path, role: str, wire_format: str = "vllm") -> InProcessWorker:
     """A worker on the vLLM backend, one thread, a 64-block pool, started on a free port."""
     config = load_config(WorkerConfig, worker_args(model, role))
-    engine = VllmEngine.from_config(engine_config(config), kv_wire_format=wire_format)
+    engine = VllmEngine.from_config(config.engine_config, kv_wire_format=wire_format)
     # The servicer is typed against AsyncEngine; VllmEngine has the same API (EngineBackend).
     worker = build_worker(config, cast("AsyncEngine", engine))
     await worker.start()

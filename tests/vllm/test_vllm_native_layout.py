@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 
 from kvmesh.config import load_config
-from services.worker.__main__ import build_worker, engine_config
+from services.worker.__main__ import build_worker
 from services.worker.config import WorkerConfig
 from services.worker.engine.async_engine import AsyncEngine
 from tests.service.worker_mesh import (
@@ -43,7 +43,7 @@ class Pair:
 
 async def start_native_worker(model: Path, block_size: int) -> InProcessWorker:
     config = load_config(WorkerConfig, worker_args(model, "colocated"))
-    engine = AsyncEngine.from_config(engine_config(config).replace(block_size=block_size))
+    engine = AsyncEngine.from_config(config.engine_config.replace(block_size=block_size))
     worker = build_worker(config, engine)
     await worker.start()
     return InProcessWorker(worker, grpc.aio.insecure_channel(worker.server.address))
