@@ -16,8 +16,9 @@ from kvmesh.grpc_server import (
     run_service_main,
     serve,
 )
+from kvmesh.v1 import gateway_pb2_grpc
 from services.admission.config import AdmissionConfig
-from services.admission.servicer import SERVICE_NAME, GatewayServicer, add_gateway_servicer
+from services.admission.servicer import SERVICE_NAME, GatewayServicer
 from services.admission.wiring import build_gateway
 
 log = logging.getLogger("services.admission")
@@ -45,7 +46,13 @@ async def run(config: AdmissionConfig) -> None:
     server = GrpcServer(
         config,
         "admission",
-        [ServiceBinding(SERVICE_NAME, GatewayServicer(assembly.gateway), add_gateway_servicer)],
+        [
+            ServiceBinding(
+                SERVICE_NAME,
+                GatewayServicer(assembly.gateway),
+                gateway_pb2_grpc.add_GatewayServicer_to_server,
+            )
+        ],
         on_stop=assembly.on_stop,
     )
     warm = asyncio.ensure_future(assembly.gateway.catalog.warm_up())

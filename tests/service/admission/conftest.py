@@ -12,8 +12,9 @@ from redis.asyncio import Redis
 
 from kvmesh.config import load_config
 from kvmesh.grpc_server import GrpcServer, ServiceBinding
+from kvmesh.v1 import gateway_pb2_grpc
 from services.admission.config import AdmissionConfig
-from services.admission.servicer import SERVICE_NAME, GatewayServicer, add_gateway_servicer
+from services.admission.servicer import SERVICE_NAME, GatewayServicer
 from services.admission.wiring import build_gateway
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -63,7 +64,9 @@ async def start_gateway() -> AsyncIterator[StartGateway]:
         config = load_config(AdmissionConfig, ["--port", "0", "--metrics-port", "-1", *flags])
         assembly = build_gateway(config)
         servicer = GatewayServicer(assembly.gateway)
-        binding = ServiceBinding(SERVICE_NAME, servicer, add_gateway_servicer)
+        binding = ServiceBinding(
+            SERVICE_NAME, servicer, gateway_pb2_grpc.add_GatewayServicer_to_server
+        )
         server = GrpcServer(config, "admission", [binding], on_stop=assembly.on_stop)
         await server.start()
         servers.append(server)
