@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Llama (Hugging Face folder) and the SmolLM2 GGUF."""
+"""Shared fixtures (a tiny random Llama as a Hugging Face folder, the SmolLM2 GGUF) and the test
+markers, applied by directory: `pytest -m unit`, `-m service`, `-m e2e`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,20 @@ import torch
 
 if TYPE_CHECKING:
     from services.worker.engine.loader import LoadedModel
+
+MARKERS_BY_DIRECTORY = {"unit": "unit", "service": "service", "e2e": "e2e", "vllm": "e2e"}
+"""tests/<directory>/ -> its marker (the vLLM tests run the mesh as processes too)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks every test by the directory under tests/ it lives in."""
+    tests_root = Path(__file__).parent
+    for item in items:
+        relative = item.path.relative_to(tests_root)
+        marker = MARKERS_BY_DIRECTORY.get(relative.parts[0]) if len(relative.parts) > 1 else None
+        if marker is not None:
+            item.add_marker(marker)
+
 
 TINY_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
