@@ -1,6 +1,6 @@
 """Runs one request on its placement: prefill -> decode hand-off (or colocated), retry, fallback.
 
-Rules (see DESIGN.md, "Reliability"):
+Rules (docs/architecture.md, "Failure rules"):
 - The first token reaches the caller as soon as a worker has it: colocated, the worker's
   first chunk; split, the Prefill's answer, so the KV hand-off is off the first token's path.
   A failure before it is retried once, on other workers while others are in rotation.
