@@ -78,7 +78,7 @@ async def stack(tiny_llama_dir: Path, tmp_path: Path) -> AsyncIterator[Stack]:
     secret_file = tmp_path / "mesh-secret"
     secret_file.write_text(SECRET)
     secret = ["--mesh-secret-file", str(secret_file)]
-    worker = await start_worker(tiny_llama_dir, "both", *secret, caller=ROUTER)
+    worker = await start_worker(tiny_llama_dir, "colocated", *secret, caller=ROUTER)
     pools = tmp_path / "pools.yaml"
     tier = {"name": "tiny", "base_model": "tiny", "colocated": [worker.address]}
     pools.write_text(yaml.safe_dump({"tiers": [tier]}))
@@ -121,7 +121,7 @@ RPCS: dict[str, tuple[str, Call]] = {
         "router",
         lambda ch: router_pb2_grpc.RouterStub(ch).AddWorker(
             router_pb2.AddWorkerRequest(
-                tier="tiny", role=worker_pb2.WORKER_ROLE_BOTH, address="127.0.0.1:9"
+                tier="tiny", role=worker_pb2.WORKER_ROLE_COLOCATED, address="127.0.0.1:9"
             )
         ),
     ),
