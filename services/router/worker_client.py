@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 import grpc
@@ -58,19 +58,12 @@ class GrpcWorkers:
     def __init__(self, peers: Peers) -> None:
         self._peers = peers
 
-    async def colocated(
+    def colocated(
         self, address: str, request: common_pb2.InferenceRequest, time_left: float | None
     ) -> AsyncGenerator[common_pb2.GenerateEvent]:
-        call = self._peers.worker(address).Generate(timeout=time_left)
-        try:
-            # The router stops a worker by cancelling the call, never by a Cancel message.
-            await _send_only(call, worker_pb2.WorkerGenerateMessage(request=request))
-            async for event in call:
-                yield event
-        except grpc.aio.AioRpcError as error:
-            raise _worker_error(error, "Generate", address) from None
-        finally:
-            call.cancel()
+        stub = self._peers.worker(address)
+        message = worker_pb2.WorkerGenerateMessage(request=request)
+        return _events(lambda: stub.Generate(timeout=time_left), message, "Generate", address)
 
     async def prefill(
         self, address: str, request: worker_pb2.PrefillRequest, time_left: float | None
@@ -83,18 +76,12 @@ class GrpcWorkers:
             raise _worker_error(error, "Prefill", address) from None
         return response
 
-    async def decode(
+    def decode(
         self, address: str, start: worker_pb2.DecodeRequest, time_left: float | None
     ) -> AsyncGenerator[common_pb2.GenerateEvent]:
-        call = self._peers.worker(address).Decode(timeout=time_left)
-        try:
-            await _send_only(call, worker_pb2.DecodeMessage(start=start))
-            async for event in call:
-                yield event
-        except grpc.aio.AioRpcError as error:
-            raise _worker_error(error, "Decode", address) from None
-        finally:
-            call.cancel()
+        stub = self._peers.worker(address)
+        message = worker_pb2.DecodeMessage(start=start)
+        return _events(lambda: stub.Decode(timeout=time_left), message, "Decode", address)
 
     async def release(self, address: str, lease_id: str) -> None:
         try:
@@ -103,6 +90,23 @@ class GrpcWorkers:
             )
         except grpc.aio.AioRpcError as error:
             log.info("ReleaseKv %s on %s: %s", lease_id, address, error.code().name)
+
+
+async def _events(
+    open_call: Callable[[], Any], message: Any, rpc: str, address: str
+) -> AsyncGenerator[common_pb2.GenerateEvent]:
+    """A bidi call's events after its one message. The call opens when the first event is
+    asked for, and is cancelled when this closes (the router stops a worker by cancelling the
+    call, never by a Cancel message)."""
+    call = open_call()
+    try:
+        await _send_only(call, message)
+        async for event in call:
+            yield event
+    except grpc.aio.AioRpcError as error:
+        raise _worker_error(error, rpc, address) from None
+    finally:
+        call.cancel()
 
 
 async def _send_only(call: Any, message: Any) -> None:
