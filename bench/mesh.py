@@ -44,10 +44,12 @@ from bench.report import RESULTS, repeat_command, write_results, write_section
 from kvmesh.bench_report import RequestResult, Slo, summarize
 from kvmesh.contracts.tokenizer import Tokenizer
 from kvmesh.loadgen import LoadSpec, build_requests, run_load
+from kvmesh.mesh_keys import write_secret_file
 from kvmesh.stack import (
     OPENAI_HTTP_PORT,
     StackOptions,
     StackService,
+    mesh_secret_path,
     plan_stack,
     write_pools_file,
 )
@@ -190,6 +192,8 @@ async def running_stack(args: argparse.Namespace) -> AsyncIterator[list[StackSer
         supervisor = Supervisor(printer=quiet)
         supervisor.check_ports(services)
         write_pools_file(options, [s for s in services if s.role])
+        if options.mesh_auth:  # as `kvmesh up` does: the services read it at start
+            write_secret_file(mesh_secret_path(options.state_dir))
         try:
             await supervisor.start_all(start_waves(services))
             yield services
