@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvmesh.channels import insecure_channel
+from kvmesh.contracts.model_files import ModelLoadError, resolve_model_path
 from kvmesh.control import (
     control_answers,
     serve_control,
@@ -193,6 +194,27 @@ def try_command(gateway_address: str, options: StackOptions) -> str:
     return command
 
 
+async def why_not_start(options: StackOptions) -> str:
+    """Why this stack cannot start, found before any process starts (empty: it can): a model
+    that is not there would otherwise fail every worker, and a live stack's state would be
+    overwritten."""
+    try:
+        resolve_model_path(options.model)
+    except ModelLoadError as error:
+        return str(error)
+    if await control_answers(socket_path(options.state_dir)):
+        return (
+            f"a stack is already running from {options.state_dir}; stop it first, or start "
+            "this one with --port-offset N"
+        )
+    return ""
+
+
+def report_failure(reason: str) -> None:
+    """One line on stderr, however narrow the terminal."""
+    Console(stderr=True).print(f"[bold red]kvmesh up failed:[/] {reason}", soft_wrap=True)
+
+
 async def run_up(options: StackOptions, trace_file: Path | None, console: Console) -> int:
     """Starts the stack, waits for Ctrl-C / SIGTERM or a crash, stops everything; exit code.
 
@@ -204,11 +226,9 @@ async def run_up(options: StackOptions, trace_file: Path | None, console: Consol
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    if await control_answers(socket_path(options.state_dir)):
-        console.print(
-            f"[bold red]kvmesh up failed:[/] a stack is already running from "
-            f"{options.state_dir}; stop it first, or start this one with --port-offset N"
-        )
+    refusal = await why_not_start(options)
+    if refusal:
+        report_failure(refusal)
         return 1
     try:
         stack.supervisor.check_ports(stack.services)
@@ -225,7 +245,7 @@ async def run_up(options: StackOptions, trace_file: Path | None, console: Consol
             return 130
         starting.result()
     except StartupError as error:
-        console.print(f"[bold red]kvmesh up failed:[/] {error}")
+        report_failure(str(error))
         await stack.supervisor.stop_all()
         return 1
     control = await serve_control(socket_path(options.state_dir), stack.handle_control)

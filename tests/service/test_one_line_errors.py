@@ -103,3 +103,10 @@ def test_worker_with_an_unknown_model() -> None:
     command = [sys.executable, "-m", "services.worker", "--model", "nosuch", "--port", "0"]
     line = run_mistake(command)
     assert line.startswith("worker: error: model 'nosuch' not found")
+
+
+def test_up_with_an_unknown_model_starts_nothing(tmp_path: Path) -> None:
+    command = [*KVMESH, "up", "--model", "nosuch", "--port-offset", "3"]
+    line = run_mistake(command, cwd=tmp_path)
+    assert line.startswith("kvmesh up failed: model 'nosuch' not found")
+    assert not (tmp_path / ".kvmesh").exists(), "it wrote state for a stack it did not start"

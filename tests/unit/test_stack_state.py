@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import pytest
 from rich.console import Console
 
 from kvmesh.control import (
@@ -41,7 +42,9 @@ async def test_a_stale_socket_file_is_no_running_stack(tmp_path: Path) -> None:
     assert not await control_answers(stale)
 
 
-async def test_a_second_up_from_the_same_state_folder_is_refused(tmp_path: Path) -> None:
+async def test_a_second_up_from_the_same_state_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     async def answer(request: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True}
 
@@ -52,7 +55,7 @@ async def test_a_second_up_from_the_same_state_folder_is_refused(tmp_path: Path)
     finally:
         running.close()
     assert code == 1
-    assert "a stack is already running from" in out.getvalue()
+    assert "a stack is already running from" in capsys.readouterr().err
     assert not (tmp_path / "pools.yaml").exists(), "the running stack's state was overwritten"
 
 
