@@ -7,6 +7,7 @@ requests that met every SLO given.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+
+from kvmesh.errors import FailedPrecondition
 
 PERCENTILES = (50, 90, 99)
 
@@ -127,6 +130,12 @@ def summary_table(summary: dict[str, Any], title: str = "kvmesh bench") -> Table
     table.add_row("output tokens/s", f"{summary['output_token_throughput']:.1f}", "", "", "")
     table.add_row("goodput (req/s)", f"{summary['goodput']:.2f}", "", "", "")
     return table
+
+
+def check_plotting() -> None:
+    """FailedPrecondition unless matplotlib (the kvmesh[bench] extra) is installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise FailedPrecondition("plots need matplotlib: pip install 'kvmesh[bench]'")
 
 
 def plot_results(results: Sequence[RequestResult], summary: dict[str, Any], path: Path) -> None:

@@ -15,7 +15,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvmesh.bench_report import RequestResult, Slo, plot_results, summarize, summary_table
+from kvmesh.bench_report import (
+    RequestResult,
+    Slo,
+    check_plotting,
+    plot_results,
+    summarize,
+    summary_table,
+)
 from kvmesh.channels import insecure_channel
 from kvmesh.cli import add_connection_options
 from kvmesh.client import resolve_api_key, resolve_target
@@ -195,6 +202,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         api_key=resolve_api_key(args.api_key),
     )
+    if args.plot:
+        check_plotting()  # before the run, not after it
     target = resolve_target(args.target)
     console = _console()
     columns = (TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -60,3 +60,14 @@ def test_plot_is_written(tmp_path: Path) -> None:
     path = tmp_path / "bench.png"
     plot_results(results, summarize(results, 5.0, Slo()), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_without_matplotlib_are_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """matplotlib comes with the kvmesh[bench] extra; without it --plot says so before the run."""
+    from kvmesh import bench_report
+    from kvmesh.errors import FailedPrecondition
+
+    bench_report.check_plotting()  # installed here (make install pulls the bench extra)
+    monkeypatch.setattr(bench_report.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FailedPrecondition, match=r"pip install 'kvmesh\[bench\]'"):
+        bench_report.check_plotting()
