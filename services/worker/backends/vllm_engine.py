@@ -32,7 +32,6 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from vllm import SamplingParams as VllmSamplingParams
@@ -63,7 +62,12 @@ from services.worker.engine.api import (
 )
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_cache_manager import cdiv
-from services.worker.engine.loader import LoadedModel, load_model, save_hf_folder, torch_dtype
+from services.worker.engine.loader import (
+    load_model,
+    read_model_facts,
+    save_hf_folder,
+    torch_dtype,
+)
 from services.worker.engine.model_runner import dtype_name
 
 log = logging.getLogger(__name__)
@@ -153,25 +157,33 @@ class VllmEngine:
         self.config = config
         self._wire_format = kv_wire_format
         self._work_dir = make_store_dir()
-        loaded = load_model(
-            config.model, device=config.device, dtype=torch_dtype(config.dtype, config.device)
-        )
-        self.tokenizer = loaded.tokenizer
-        self.fingerprint = loaded.fingerprint
-        self.model_name = loaded.name
-        self.vocab_size = loaded.config.vocab_size
-        max_len = loaded.config.max_position_embeddings
+        dtype = torch_dtype(config.dtype, config.device)
+        path = resolve_model_path(config.model)
+        if path.is_dir():
+            # No model is built here: vLLM loads the weights itself, whatever the architecture.
+            facts = read_model_facts(path, config.model, dtype)
+            self._model_dir = path
+        else:
+            # vLLM reads Hugging Face folders: a GGUF model is converted into one first.
+            loaded = load_model(config.model, device=config.device, dtype=dtype)
+            facts = loaded.facts()
+            self._model_dir = self._work_dir / "model"
+            save_hf_folder(loaded, self._model_dir)
+            del loaded
+        self.tokenizer = facts.tokenizer
+        self.fingerprint = facts.fingerprint
+        self.model_name = facts.name
+        self.vocab_size = facts.vocab_size
+        max_len = facts.max_position_embeddings
         self.context_length = min(config.max_model_len or max_len, max_len)
         self.layout = KvLayout(
-            dtype=dtype_name(loaded.dtype),
+            dtype=dtype_name(dtype),
             block_size=config.block_size,
-            num_layers=loaded.config.num_layers,
-            num_kv_heads=loaded.config.num_kv_heads,
-            head_dim=loaded.config.head_dim,
+            num_layers=facts.num_layers,
+            num_kv_heads=facts.num_kv_heads,
+            head_dim=facts.head_dim,
             engine="native" if kv_wire_format == "native" else "vllm",
         )
-        self._model_dir = self._hf_folder(loaded)
-        del loaded
         self._store_dir = self._work_dir / "kv"
         self._store_dir.mkdir()
         self._files = BlockFiles(self._store_dir, self.layout.block_bytes)
@@ -186,15 +198,6 @@ class VllmEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, *, kv_wire_format: str = "vllm") -> VllmEngine:
         return cls(config, kv_wire_format=kv_wire_format)
-
-    def _hf_folder(self, loaded: LoadedModel) -> Path:
-        """vLLM reads Hugging Face folders: a GGUF model is written out as one first."""
-        path = resolve_model_path(self.config.model)
-        if path.is_dir():
-            return path
-        folder = self._work_dir / "model"
-        save_hf_folder(loaded, folder)
-        return folder
 
     # ---- lifecycle ----------------------------------------------------------------------
 

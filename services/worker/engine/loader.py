@@ -65,6 +65,20 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
 
+    def facts(self) -> ModelFacts:
+        """Its shape, tokenizer and fingerprint, as read_model_facts gives them."""
+        config = self.config
+        return ModelFacts(
+            name=self.name,
+            tokenizer=self.tokenizer,
+            fingerprint=self.fingerprint,
+            vocab_size=config.vocab_size,
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
 
 def torch_dtype(name: str, device: str) -> torch.dtype:
     """The torch dtype of an EngineConfig.dtype name, "auto" resolved for the device (float32 on
@@ -121,14 +135,72 @@ def weights_fingerprint(
     config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str
 ) -> str:
     """sha256 over the canonical config JSON, dtype, quantization and every weight's bytes."""
+    return _fingerprint(config.to_json_dict(), weights, dtype, quantization)
+
+
+def _fingerprint(
+    config: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str
+) -> str:
     digest = hashlib.sha256()
-    header = {"config": config.to_json_dict(), "dtype": str(dtype), "quantization": quantization}
+    header = {"config": config, "dtype": str(dtype), "quantization": quantization}
     digest.update(json.dumps(header, sort_keys=True).encode())
     for name in sorted(weights):
         tensor = weights[name].detach().contiguous().cpu()
         digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
         digest.update(tensor.view(torch.uint8).numpy().data)
     return digest.hexdigest()[:FINGERPRINT_CHARS]
+
+
+@dataclass(slots=True, frozen=True)
+class ModelFacts:
+    """What a backend that runs the weights itself (vLLM) needs of a Hugging Face folder."""
+
+    name: str
+    tokenizer: Tokenizer
+    fingerprint: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+
+
+def read_model_facts(folder: Path, spec: str, dtype: torch.dtype) -> ModelFacts:
+    """A Hugging Face folder's shape, tokenizer and fingerprint, read from its files without
+    building a model. For a folder this engine loads too, the fingerprint is the one load_model
+    gives, so both backends exchange KV; any other architecture is fingerprinted over its own
+    config.json and weights (only vLLM runs it)."""
+    raw = read_json(folder / "config.json")
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    if raw.get("model_type") in SUPPORTED_MODEL_TYPES and raw.get("sliding_window") is None:
+        config, weights = _read_hf_folder(folder)
+        return ModelFacts(
+            name=model_name(spec),
+            tokenizer=tokenizer,
+            fingerprint=weights_fingerprint(config, weights, dtype, "none"),
+            vocab_size=config.vocab_size,
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+    weights = {}
+    for file in _safetensors_files(folder):
+        weights |= load_file(str(file))
+    try:
+        num_heads = int(raw["num_attention_heads"])
+        return ModelFacts(
+            name=model_name(spec),
+            tokenizer=tokenizer,
+            fingerprint=_fingerprint(raw, weights, dtype, "none"),
+            vocab_size=int(raw["vocab_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // num_heads),
+            max_position_embeddings=int(raw["max_position_embeddings"]),
+        )
+    except KeyError as exc:
+        raise ModelLoadError(f"{folder / 'config.json'} lacks the field {exc.args[0]!r}") from exc
 
 
 def save_hf_folder(loaded: LoadedModel, out_dir: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 from pathlib import Path
 
@@ -9,9 +11,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from services.worker.engine import loader
 from services.worker.engine.loader import (
     ModelLoadError,
     load_model,
+    read_model_facts,
     resolve_model_path,
     save_hf_folder,
 )
@@ -114,3 +118,44 @@ def test_save_hf_folder_round_trips(tiny_llama_dir: Path, tmp_path: Path) -> Non
     )
     with pytest.raises(ValueError, match="unquantized"):
         save_hf_folder(load_model(str(tiny_llama_dir), quantization="int8"), tmp_path / "q")
+
+
+def test_model_facts_come_from_the_files_with_the_native_fingerprint(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the vLLM backend reads of a folder: no model is built, and the fingerprint is the
+    native engine's, so the two backends can exchange KV."""
+    loaded = load_model(str(tiny_llama_dir))
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(loader.LlamaModel, "from_hf_weights", no_model)
+    facts = read_model_facts(tiny_llama_dir, str(tiny_llama_dir), torch.float32)
+    assert dataclasses.replace(facts, tokenizer=loaded.tokenizer) == loaded.facts()
+    assert facts.tokenizer.encode("The quick brown fox") == loaded.tokenizer.encode(
+        "The quick brown fox"
+    )
+    assert facts.fingerprint == loaded.fingerprint
+    assert read_model_facts(tiny_llama_dir, "x", torch.bfloat16).fingerprint != facts.fingerprint
+
+
+def test_model_facts_of_an_architecture_only_vllm_runs(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    other = copy_without(tiny_llama_dir, tmp_path)
+    config = json.loads((other / "config.json").read_text())
+    config |= {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "head_dim": None}
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="qwen2"):
+        load_model(str(other))  # the native engine does not run it
+    facts = read_model_facts(other, str(other), torch.float32)
+    native = load_model(str(tiny_llama_dir)).facts()
+    assert (facts.num_layers, facts.num_kv_heads, facts.head_dim, facts.vocab_size) == (
+        native.num_layers,
+        native.num_kv_heads,
+        native.head_dim,
+        native.vocab_size,
+    )
+    assert facts.fingerprint != native.fingerprint
+    assert read_model_facts(other, str(other), torch.float32).fingerprint == facts.fingerprint
