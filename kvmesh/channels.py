@@ -110,17 +110,32 @@ def call_interceptors(traced: bool, fixed: Metadata = ()) -> list[grpc.aio.Clien
     ]
 
 
-def insecure_channel(
-    address: str, traced: bool = True, member: MeshMember | None = None
-) -> grpc.aio.Channel:
-    """An asyncio channel to another kvmesh service that carries the W3C traceparent and,
-    given `member`, the caller's mesh identity.
+def insecure_channel(address: str, traced: bool = True) -> grpc.aio.Channel:
+    """A plaintext asyncio channel to a kvmesh service that carries the W3C traceparent.
 
     Background polling (health checks, Stats refreshes) passes traced=False: it belongs to
     no request, and a trace per poll would bury the requests' traces."""
-    fixed = member.call_metadata() if member is not None else ()
     return grpc.aio.insecure_channel(
+        address, options=CHANNEL_OPTIONS, interceptors=call_interceptors(traced) or None
+    )
+
+
+def member_channel(
+    address: str, member: MeshMember | None, traced: bool = True
+) -> grpc.aio.Channel:
+    """A channel on which `member` calls another service of its stack: over mutual TLS with
+    its certificate when it has one, else with its member token in every call's metadata
+    (None: as insecure_channel)."""
+    if member is None:
+        return insecure_channel(address, traced)
+    interceptors = call_interceptors(traced, member.call_metadata()) or None
+    if member.tls is None:
+        return grpc.aio.insecure_channel(
+            address, options=CHANNEL_OPTIONS, interceptors=interceptors
+        )
+    return grpc.aio.secure_channel(
         address,
+        member.tls.channel_credentials(),
         options=CHANNEL_OPTIONS,
-        interceptors=call_interceptors(traced, fixed) or None,
+        interceptors=interceptors,
     )

@@ -20,6 +20,7 @@ from typing import Any, NoReturn, TextIO
 
 from kvmesh.client import (
     API_KEY_ENV,
+    CA_FILE_ENV,
     CACHE_POLICIES,
     DEFAULT_TARGET,
     PRIORITIES,
@@ -109,6 +110,11 @@ def add_connection_options(parser: argparse.ArgumentParser) -> None:
         help=f"gateway HOST:PORT [env {TARGET_ENV}; else {DEFAULT_TARGET}]",
     )
     parser.add_argument("--api-key", default=None, help=f"tenant API key [env {API_KEY_ENV}]")
+    parser.add_argument(
+        "--ca-file",
+        default=None,
+        help=f"CA certificate of a gateway served over TLS (kvmesh up --tls) [env {CA_FILE_ENV}]",
+    )
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -179,7 +185,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 async def _generate(args: argparse.Namespace, inp: TextIO, out: TextIO) -> GenerationResult:
     prompt = read_prompt(args, inp)
-    async with Client(args.target, api_key=args.api_key) as client:
+    async with Client(args.target, api_key=args.api_key, ca_file=args.ca_file) as client:
         result = await _stream_to(client, prompt, _request_options(args), out, not args.json)
     if args.json:
         print(json.dumps(result.to_json()), file=out)
@@ -240,7 +246,7 @@ async def _chat(args: argparse.Namespace, inp: TextIO, out: TextIO) -> None:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     interactive = inp.isatty()
-    async with Client(args.target, api_key=args.api_key) as client:
+    async with Client(args.target, api_key=args.api_key, ca_file=args.ca_file) as client:
         while True:
             if interactive:
                 out.write("> ")

@@ -23,9 +23,9 @@ from kvmesh.bench_report import (
     summarize,
     summary_table,
 )
-from kvmesh.channels import insecure_channel
+from kvmesh.channels import member_channel
 from kvmesh.cli import add_connection_options
-from kvmesh.client import resolve_api_key, resolve_target
+from kvmesh.client import resolve_api_key, resolve_ca_file, resolve_target
 from kvmesh.control import call_control, default_state_dir, read_stack_file, socket_path
 from kvmesh.errors import InvalidArgument, KvmeshError, Unavailable, Unimplemented
 from kvmesh.loadgen import LoadSpec, run_load
@@ -35,7 +35,6 @@ from kvmesh.stack import (
     OPENAI_HTTP_PORT,
     ROUTER_PORT,
     StackOptions,
-    mesh_secret_path,
 )
 from kvmesh.up import PipeSafeOutput, operator, run_up
 from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
@@ -76,6 +75,12 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
         default=True,
         help="generate a mesh secret so the router, cache and workers take calls only from "
         "the stack's own services (--no-mesh-auth: an open mesh)",
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS on every hop: a local CA and a certificate per service in the state "
+        "folder; clients of the gateway then pass --ca-file STATE/secrets/tls/ca.pem",
     )
     up.add_argument(
         "--state-dir",
@@ -184,6 +189,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         state_dir=state_dir,
         worker_args=tuple(args.worker_arg),
         mesh_auth=args.mesh_auth,
+        tls=args.tls,
     )
     trace_file = args.trace_file.resolve() if args.trace_file else None
     output = cast(TextIO, PipeSafeOutput(sys.stdout))  # a TextIOBase: what Console writes to
@@ -213,7 +219,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         def advance(_: RequestResult) -> None:
             progress.advance(task)
 
-        results, duration = asyncio.run(run_load(target, spec, advance))
+        results, duration = asyncio.run(
+            run_load(target, spec, advance, resolve_ca_file(args.ca_file))
+        )
     report = summarize(results, duration, Slo(args.slo_ttft, args.slo_tpot))
     console.print(summary_table(report, f"kvmesh bench → {target} ({spec.workload})"))
     for error in report["errors"]:
@@ -240,12 +248,10 @@ def router_of(args: argparse.Namespace) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     router = router_of(args)
-    secret_file = args.mesh_secret_file or mesh_secret_path(
-        default_state_dir(gateway_port_of(resolve_target(args.target)))
-    )
+    state_dir = default_state_dir(gateway_port_of(resolve_target(args.target)))
 
     async def fetch() -> router_pb2.RouterStatusResponse:
-        async with insecure_channel(router, member=operator(secret_file)) as channel:
+        async with member_channel(router, operator(state_dir, args.mesh_secret_file)) as channel:
             reply: router_pb2.RouterStatusResponse = await router_pb2_grpc.RouterStub(
                 channel
             ).Status(router_pb2.RouterStatusRequest(), timeout=10)

@@ -21,6 +21,7 @@ import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Generator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ from opentelemetry import propagate
 from kvmesh.channels import CHANNEL_OPTIONS
 from kvmesh.errors import Internal, InvalidArgument
 from kvmesh.rpc_status import error_from_rpc
+from kvmesh.tls import client_credentials
 from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 T = TypeVar("T")
@@ -37,6 +39,7 @@ T = TypeVar("T")
 DEFAULT_TARGET = "127.0.0.1:50051"
 TARGET_ENV = "KVMESH_TARGET"
 API_KEY_ENV = "KVMESH_API_KEY"
+CA_FILE_ENV = "KVMESH_CA_FILE"
 
 PRIORITIES = {
     "interactive": common_pb2.PRIORITY_INTERACTIVE,
@@ -140,6 +143,20 @@ def resolve_target(target: str | None) -> str:
 def resolve_api_key(api_key: str | None) -> str:
     """The tenant key to send: `api_key` (even ""), else $KVMESH_API_KEY, else none."""
     return api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
+
+
+def resolve_ca_file(ca_file: str | Path | None) -> Path | None:
+    """The CA that verifies a gateway served over TLS: `ca_file`, else $KVMESH_CA_FILE, else
+    none (plaintext)."""
+    chosen = ca_file or os.environ.get(CA_FILE_ENV)
+    return Path(chosen).expanduser() if chosen else None
+
+
+def gateway_channel(target: str, ca_file: Path | None) -> grpc.aio.Channel:
+    """A channel to the gateway: over TLS verified with `ca_file` when given, else plaintext."""
+    if ca_file is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(target, client_credentials(ca_file), options=CHANNEL_OPTIONS)
 
 
 def build_request(
@@ -373,8 +390,10 @@ class Client:
         *,
         api_key: str | None = None,
         channel: grpc.aio.Channel | None = None,
+        ca_file: str | Path | None = None,
     ) -> None:
-        """`target` defaults to $KVMESH_TARGET or 127.0.0.1:50051, `api_key` to $KVMESH_API_KEY."""
+        """`target` defaults to $KVMESH_TARGET or 127.0.0.1:50051, `api_key` to $KVMESH_API_KEY,
+        `ca_file` (a gateway served over TLS) to $KVMESH_CA_FILE."""
         self.target = resolve_target(target)
         key = resolve_api_key(api_key)
         self._api_key_metadata: tuple[tuple[str, str], ...] = (
@@ -382,7 +401,7 @@ class Client:
         )
         # No client interceptors: their wrapping of streaming calls keeps a cancelled or
         # dropped stream alive; the caller's trace context is injected per call instead.
-        self._channel = channel or grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self._channel = channel or gateway_channel(self.target, resolve_ca_file(ca_file))
         self._owns_channel = channel is None
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
 
@@ -453,13 +472,19 @@ class Client:
 class SyncClient:
     """Blocking client: the asynchronous one driven by an event loop on a private thread."""
 
-    def __init__(self, target: str | None = None, *, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        target: str | None = None,
+        *,
+        api_key: str | None = None,
+        ca_file: str | Path | None = None,
+    ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvmesh-client", daemon=True
         )
         self._thread.start()
-        self._client = self._run(_make_client(target, api_key))
+        self._client = self._run(_make_client(target, api_key, ca_file))
         self.target = self._client.target
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
@@ -514,9 +539,11 @@ class SyncClient:
         self.close()
 
 
-async def _make_client(target: str | None, api_key: str | None) -> Client:
+async def _make_client(
+    target: str | None, api_key: str | None, ca_file: str | Path | None
+) -> Client:
     """Builds the client on the loop that will use it (channels bind to their loop)."""
-    return Client(target, api_key=api_key)
+    return Client(target, api_key=api_key, ca_file=ca_file)
 
 
 async def _next_chunk(stream: AsyncIterator[Chunk]) -> Chunk | None:

@@ -53,6 +53,15 @@ class ServerConfig:
     by its owner only): it signs KV leases and KV bytes, and the router, cache and workers then
     take calls only from members of the stack. None: no secret, an open mesh (anyone who
     reaches a port can call it, and sign)."""
+    tls_cert_file: Path | None = None
+    """This service's TLS certificate (PEM; `kvmesh up --tls` makes one per service): it serves
+    over TLS and shows it on the calls it makes. Its common name "role:name" names it in the
+    mesh. None: plaintext."""
+    tls_key_file: Path | None = None
+    """The private key of tls_cert_file (PEM)."""
+    tls_ca_file: Path | None = None
+    """The stack's CA certificate (PEM): verifies the services this one calls and, on the
+    router, cache and workers, the certificate every caller must show (mutual TLS)."""
 
 
 def field_docs(cls: type) -> dict[str, str]:

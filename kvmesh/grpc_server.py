@@ -35,6 +35,7 @@ from kvmesh.reflection import enable_reflection
 from kvmesh.rpc_status import abort_with_error
 from kvmesh.server_tracing import TracingInterceptor
 from kvmesh.telemetry import setup_tracing
+from kvmesh.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,9 @@ class GrpcServer:
     metrics_port: int | None = None
     guard: MeshGuard | None = None
     """The membership check of an internal service (None: anyone may call)."""
+    tls: TlsFiles | None = None
+    """Serve over TLS with this certificate; an internal service (one with a guard) also asks
+    every caller for a certificate signed by the stack's CA."""
     _server: grpc.aio.Server | None = None
     _health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
@@ -265,8 +269,14 @@ class GrpcServer:
         enable_reflection(
             [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server
         )
+        bind = f"{self.config.host}:{self.config.port}"
         try:
-            self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+            if self.tls is None:
+                self.port = server.add_insecure_port(bind)
+            else:
+                internal = self.guard is not None
+                credentials = self.tls.server_credentials(require_client_certificate=internal)
+                self.port = server.add_secure_port(bind, credentials)
         except RuntimeError:  # grpc's "Failed to bind": lost a race for the port
             self.port = 0
         if self.port == 0:

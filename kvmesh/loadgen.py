@@ -9,12 +9,13 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import grpc
 
 from kvmesh.bench_report import RequestResult
-from kvmesh.channels import insecure_channel
+from kvmesh.client import gateway_channel
 from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 Workload = Literal["random", "prefix", "mixed"]
@@ -128,16 +129,20 @@ async def measure(
 
 
 async def run_load(
-    target: str, spec: LoadSpec, on_done: Callable[[RequestResult], None]
+    target: str,
+    spec: LoadSpec,
+    on_done: Callable[[RequestResult], None],
+    ca_file: Path | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Sends every request on its Poisson schedule; returns the results and the run's duration."""
+    """Sends every request on its Poisson schedule (over TLS verified with `ca_file` when
+    given); returns the results and the run's duration."""
     requests = build_requests(spec)
     gaps = arrival_gaps(spec)
     metadata = (("authorization", f"Bearer {spec.api_key}"),) if spec.api_key else ()
     limit = asyncio.Semaphore(spec.concurrency) if spec.concurrency > 0 else None
     # Untraced: the load generator records no spans, and a client interceptor on every call
     # would add its own latency to every TTFT measured.
-    async with insecure_channel(target, traced=False) as channel:
+    async with gateway_channel(target, ca_file) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         zero = time.perf_counter()
 

@@ -19,6 +19,7 @@ import grpc
 
 from kvmesh.errors import PermissionDenied, Unauthenticated
 from kvmesh.mesh_keys import MeshKeys
+from kvmesh.tls import TlsFiles
 
 ROLE_METADATA = "kvmesh-member-role"
 NAME_METADATA = "kvmesh-member-name"
@@ -60,6 +61,8 @@ class MeshMember:
     role: MeshRole
     name: str
     keys: MeshKeys
+    tls: TlsFiles | None = None
+    """Its certificate (the stack's CA with it): its calls go over mutual TLS."""
 
     def call_metadata(self) -> tuple[tuple[str, str], ...]:
         """The metadata entries that prove this member to a callee without TLS."""
@@ -152,6 +155,7 @@ class MeshGuard:
         return caller
 
 
-def mesh_guard(keys: MeshKeys) -> MeshGuard | None:
-    """The guard of an internal service: None (an open mesh) when the stack has no secret."""
-    return MeshGuard(keys) if keys.secret_set else None
+def mesh_guard(keys: MeshKeys, tls: TlsFiles | None) -> MeshGuard | None:
+    """The guard of an internal service: None (an open mesh) when the stack has neither a
+    secret nor TLS."""
+    return MeshGuard(keys) if keys.secret_set or tls is not None else None

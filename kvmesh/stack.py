@@ -12,6 +12,9 @@ from typing import Any, Literal
 
 import yaml
 
+from kvmesh.mesh_auth import MeshRole, certificate_name
+from kvmesh.tls import CA_CERT, TlsFiles
+
 Mode = Literal["disaggregated", "colocated"]
 
 GATEWAY_PORT = 50051
@@ -64,6 +67,9 @@ class StackOptions:
     mesh_auth: bool = True
     """Generate a mesh secret (in the state folder): the router, cache and workers then take
     calls only from the stack's own services, and KV leases and bytes are signed."""
+    tls: bool = False
+    """Mutual TLS on every hop: a local CA and one certificate per service in the state
+    folder; the gateway serves its clients over TLS (they need the CA file)."""
 
     @property
     def tier_name(self) -> str:
@@ -135,6 +141,7 @@ def worker_service(options: StackOptions, role: str, index: int, slot: int) -> S
         "--grace-s",
         str(WORKER_GRACE_S),
         *mesh_args(options),
+        *tls_args(options, name),
         *options.worker_args,
     )
     return StackService(name, "services.worker", args, options.host, port, metrics_port, role)
@@ -144,6 +151,48 @@ def mesh_secret_path(state_dir: Path) -> Path:
     """Where the mesh secret of the stack kept in `state_dir` lives (kvmesh up writes it,
     mode 0600)."""
     return state_dir / "secrets" / "mesh-secret"
+
+
+def tls_folder(state_dir: Path) -> Path:
+    """Where `kvmesh up --tls` keeps the stack's CA and certificates."""
+    return state_dir / "secrets" / "tls"
+
+
+def tls_args(
+    options: StackOptions, file_name: str, own_certificate: bool = True
+) -> tuple[str, ...]:
+    """The TLS flags of the service whose certificate is FILE_NAME.pem (none without --tls);
+    without `own_certificate` only the CA (a client of the gateway)."""
+    if not options.tls:
+        return ()
+    folder = tls_folder(options.state_dir)
+    ca = ("--tls-ca-file", str(folder / CA_CERT))
+    if not own_certificate:
+        return ca
+    return (
+        "--tls-cert-file",
+        str(folder / f"{file_name}.pem"),
+        "--tls-key-file",
+        str(folder / f"{file_name}-key.pem"),
+        *ca,
+    )
+
+
+def member_tls(state_dir: Path, file_name: str) -> TlsFiles | None:
+    """The certificate `kvmesh up --tls` issued FILE_NAME in `state_dir` (None: no TLS)."""
+    folder = tls_folder(state_dir)
+    cert, key, ca = folder / f"{file_name}.pem", folder / f"{file_name}-key.pem", folder / CA_CERT
+    if not cert.exists():
+        return None
+    return TlsFiles.load(cert, key, ca)
+
+
+def certificate_subject(service: StackService) -> str:
+    """The common name of a service's certificate: its role and mesh name."""
+    if service.role:
+        return certificate_name(MeshRole.WORKER, service.address)  # the address it advertises
+    role = {"cache": MeshRole.CACHE, "router": MeshRole.ROUTER, "gateway": MeshRole.GATEWAY}
+    return certificate_name(role[service.name], service.name)
 
 
 def mesh_args(options: StackOptions) -> tuple[str, ...]:
@@ -207,7 +256,7 @@ def plan_stack(options: StackOptions) -> list[StackService]:
     cache_args = ["--host", host, "--port", str(cache_port), "--metrics-port", str(cache_metrics)]
     if options.redis:
         cache_args += ["--redis", options.redis]
-    cache_args += mesh_args(options)
+    cache_args += [*mesh_args(options), *tls_args(options, "cache")]
     cache = StackService(
         "cache", "services.cache", tuple(cache_args), host, cache_port, cache_metrics
     )
@@ -223,6 +272,7 @@ def plan_stack(options: StackOptions) -> list[StackService]:
         "--metrics-port",
         str(router_metrics),
         *mesh_args(options),
+        *tls_args(options, "router"),
     )
     router = StackService(
         "router", "services.router", router_args, host, router_port, router_metrics
@@ -246,7 +296,7 @@ def plan_stack(options: StackOptions) -> list[StackService]:
         gateway_args += ["--tenants", str(options.tenants)]
     if options.redis:
         gateway_args += ["--redis", options.redis]
-    gateway_args += mesh_args(options)
+    gateway_args += [*mesh_args(options), *tls_args(options, "gateway")]
     gateway = StackService(
         "gateway",
         "services.admission",
@@ -267,6 +317,7 @@ def plan_stack(options: StackOptions) -> list[StackService]:
             str(options.http_port),
             "--metrics-port",
             str(OPENAI_HTTP_METRICS_PORT + offset),
+            *tls_args(options, "openai", own_certificate=False),
         ),
         host,
         options.http_port,

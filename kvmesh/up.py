@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvmesh.channels import insecure_channel
+from kvmesh.channels import member_channel
 from kvmesh.contracts.model_files import ModelLoadError, resolve_model_path
 from kvmesh.control import (
     control_answers,
@@ -31,18 +31,22 @@ from kvmesh.control import (
     write_stack_file,
 )
 from kvmesh.errors import InvalidArgument
-from kvmesh.mesh_auth import OPERATOR_MEMBER_NAME, MeshMember, MeshRole
+from kvmesh.mesh_auth import OPERATOR_MEMBER_NAME, MeshMember, MeshRole, certificate_name
 from kvmesh.mesh_keys import MeshKeys, write_secret_file
 from kvmesh.stack import (
     StackOptions,
     StackService,
+    certificate_subject,
+    member_tls,
     mesh_secret_path,
     plan_stack,
+    tls_folder,
     worker_service,
     write_pools_file,
 )
 from kvmesh.supervisor import Child, Printer, StartupError, Supervisor
 from kvmesh.telemetry import TRACE_FILE_ENV
+from kvmesh.tls import CA_CERT, StackAuthority
 from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
 COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
@@ -110,9 +114,7 @@ class Stack:
         return [c for c in self.supervisor.children if c.service.role == role]
 
     async def _router_call(self, method: str, request: Any) -> router_pb2.WorkerChangeResponse:
-        async with insecure_channel(
-            self.router.address, member=operator(mesh_secret_path(self.options.state_dir))
-        ) as channel:
+        async with member_channel(self.router.address, operator(self.options.state_dir)) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             reply: router_pb2.WorkerChangeResponse = await getattr(stub, method)(
                 request, timeout=10
@@ -130,6 +132,8 @@ class Stack:
         )
         service = worker_service(self.options, role, index, slot)
         self.supervisor.check_ports([service])
+        if self.options.tls:
+            issue_certificates(self.options, [service])
         child = await self.supervisor.spawn(service)
         await self.supervisor.wait_ready([child])
         self.services.append(service)
@@ -172,12 +176,27 @@ class Stack:
         return {"ok": True, "pool": pool, "changed": changed, "workers": len(self.workers(role))}
 
 
-def operator(secret_file: Path) -> MeshMember | None:
-    """The operator (`kvmesh up`, `kvmesh status`) of the stack whose mesh secret is in
-    `secret_file`: None when there is none (a stack without mesh auth)."""
-    if not secret_file.exists():
+def issue_certificates(options: StackOptions, services: list[StackService]) -> None:
+    """Certificates from the stack's CA (made on first use) for `services` and the operator,
+    valid for the hosts they are reached on."""
+    authority = StackAuthority.open(tls_folder(options.state_dir))
+    hosts = sorted({options.host, "127.0.0.1", "localhost"} - {"0.0.0.0"})
+    for service in services:
+        if not service.http:  # the OpenAI door only dials the gateway: the CA is enough
+            authority.issue(service.name, certificate_subject(service), hosts)
+    authority.issue("operator", certificate_name(MeshRole.OPERATOR, OPERATOR_MEMBER_NAME), hosts)
+
+
+def operator(state_dir: Path, secret_file: Path | None = None) -> MeshMember | None:
+    """The operator (`kvmesh up`, `kvmesh status`) of the stack kept in `state_dir`: its mesh
+    secret (there, or `secret_file`) and, with --tls, its operator certificate; None for an
+    open mesh."""
+    secret_file = secret_file or mesh_secret_path(state_dir)
+    tls = member_tls(state_dir, "operator")
+    if not secret_file.exists() and tls is None:
         return None
-    return MeshMember(MeshRole.OPERATOR, OPERATOR_MEMBER_NAME, MeshKeys.from_file(secret_file))
+    keys = MeshKeys.from_file(secret_file if secret_file.exists() else None)
+    return MeshMember(MeshRole.OPERATOR, OPERATOR_MEMBER_NAME, keys, tls)
 
 
 def try_command(gateway_address: str, options: StackOptions) -> str:
@@ -186,6 +205,8 @@ def try_command(gateway_address: str, options: StackOptions) -> str:
     kvmesh = Path(sys.executable).parent / "kvmesh"
     program = str(kvmesh) if kvmesh.exists() else f"{sys.executable} -m kvmesh.cli"
     command = f'{program} generate --target {gateway_address} "Hello"'
+    if options.tls:
+        command += f" --ca-file {tls_folder(options.state_dir) / CA_CERT}"
     if options.tenants:
         command += (
             f"   (with KVMESH_API_KEY set to the key of a tenant in {options.tenants}; "
@@ -235,6 +256,8 @@ async def run_up(options: StackOptions, trace_file: Path | None, console: Consol
         write_pools_file(options, [s for s in stack.services if s.role])
         if options.mesh_auth:
             write_secret_file(mesh_secret_path(options.state_dir))
+        if options.tls:
+            issue_certificates(options, stack.services)
         starting = asyncio.create_task(stack.supervisor.start_all(start_waves(stack.services)))
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)

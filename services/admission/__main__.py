@@ -16,6 +16,7 @@ from kvmesh.grpc_server import (
     run_service_main,
     serve,
 )
+from kvmesh.tls import tls_of
 from kvmesh.v1 import gateway_pb2_grpc
 from services.admission.config import AdmissionConfig
 from services.admission.servicer import SERVICE_NAME, GatewayServicer
@@ -54,6 +55,7 @@ async def run(config: AdmissionConfig) -> None:
             )
         ],
         on_stop=assembly.on_stop,
+        tls=tls_of(config),  # its clients verify it with the CA; they show no certificate
     )
     warm = asyncio.ensure_future(assembly.gateway.catalog.warm_up())
     await serve(server)

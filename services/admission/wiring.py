@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from kvmesh.channels import insecure_channel
+from kvmesh.channels import member_channel
 from kvmesh.grpc_server import StopHook
 from kvmesh.mesh_auth import GATEWAY_MEMBER_NAME, MeshMember, MeshRole
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.tenants import TenantRegistry
+from kvmesh.tls import tls_of
 from services.admission.admission_queue import AdmissionQueue, QueueLimits
 from services.admission.catalog import ModelCatalog, parse_tier_map
 from services.admission.concurrency import ConcurrencyLimits, MemorySlots, RedisSlots
@@ -77,17 +78,20 @@ def build_gateway(config: AdmissionConfig) -> Assembly:
     """The Gateway for `config` (channels connect lazily: nothing is contacted yet)."""
     # Every call to the router and the cache carries the gateway's mesh identity.
     member = MeshMember(
-        MeshRole.GATEWAY, GATEWAY_MEMBER_NAME, MeshKeys.from_file(config.mesh_secret_file)
+        MeshRole.GATEWAY,
+        GATEWAY_MEMBER_NAME,
+        MeshKeys.from_file(config.mesh_secret_file),
+        tls_of(config),
     )
-    router_channel = insecure_channel(config.router, member=member)
+    router_channel = member_channel(config.router, member)
     router = RouterClient(router_channel, cancel_grace_s=config.cancel_grace_s)
     # The model list is polled in the background: no trace per poll.
-    catalog_channel = insecure_channel(config.router, traced=False, member=member)
+    catalog_channel = member_channel(config.router, member, traced=False)
     catalog_router = RouterClient(catalog_channel, cancel_grace_s=config.cancel_grace_s)
     hooks: list[StopHook] = [lambda: catalog_channel.close()]
     cache = None
     if config.cache:
-        cache_channel = insecure_channel(config.cache, member=member)
+        cache_channel = member_channel(config.cache, member)
         cache = CacheClient(cache_channel, timeout_s=config.cache_timeout_s)
         hooks.append(lambda: cache_channel.close())
     books = tenant_books(config, hooks)

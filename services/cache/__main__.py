@@ -17,6 +17,7 @@ from kvmesh.grpc_server import (
 )
 from kvmesh.mesh_auth import mesh_guard
 from kvmesh.mesh_keys import MeshKeys
+from kvmesh.tls import tls_of
 from kvmesh.v1 import cache_pb2, cache_pb2_grpc
 from services.cache.backends import CacheBackend, MemoryBackend, RedisBackend
 from services.cache.config import CacheConfig
@@ -40,8 +41,9 @@ def build_server(config: CacheConfig) -> GrpcServer:
     binding = ServiceBinding(
         SERVICE_NAME, CacheServicer(cache), cache_pb2_grpc.add_CacheServicer_to_server
     )
-    guard = mesh_guard(MeshKeys.from_file(config.mesh_secret_file))
-    return GrpcServer(config, "cache", [binding], on_stop=[backend.close], guard=guard)
+    tls = tls_of(config)
+    guard = mesh_guard(MeshKeys.from_file(config.mesh_secret_file), tls)
+    return GrpcServer(config, "cache", [binding], on_stop=[backend.close], guard=guard, tls=tls)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

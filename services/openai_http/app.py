@@ -24,8 +24,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvmesh.channels import CHANNEL_OPTIONS
-from kvmesh.client import Client
+from kvmesh.client import Client, gateway_channel
 from kvmesh.errors import InvalidArgument, KvmeshError
 from services.openai_http import schemas, translation
 from services.openai_http.config import OpenAIHttpConfig
@@ -161,7 +160,8 @@ def create_app(config: OpenAIHttpConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        door.channel = grpc.aio.insecure_channel(config.gateway, options=CHANNEL_OPTIONS)
+        # Over TLS when the gateway is (kvmesh up --tls passes the stack's CA).
+        door.channel = gateway_channel(config.gateway, config.tls_ca_file)
         yield
         await door.channel.close()
 

@@ -17,6 +17,7 @@ from kvmesh.grpc_server import (
 )
 from kvmesh.mesh_auth import ROUTER_MEMBER_NAME, MeshMember, MeshRole, mesh_guard
 from kvmesh.mesh_keys import MeshKeys
+from kvmesh.tls import tls_of
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
 from services.router.monitor import WorkerMonitor
@@ -59,7 +60,8 @@ def build_router(config: RouterConfig) -> Router:
     config.validate()
     registry = PoolRegistry(load_pools(config.config))
     keys = MeshKeys.from_file(config.mesh_secret_file)
-    peers = Peers(MeshMember(MeshRole.ROUTER, ROUTER_MEMBER_NAME, keys))
+    tls = tls_of(config)
+    peers = Peers(MeshMember(MeshRole.ROUTER, ROUTER_MEMBER_NAME, keys, tls))
     scaling = ScalingPolicy(
         target_throughput_utilization=config.scale_target_utilization,
         warm_buffer=config.scale_warm_buffer,
@@ -78,7 +80,9 @@ def build_router(config: RouterConfig) -> Router:
         await peers.close()
 
     binding = ServiceBinding(SERVICE_NAME, servicer, router_pb2_grpc.add_RouterServicer_to_server)
-    server = GrpcServer(config, "router", [binding], on_stop=[close], guard=mesh_guard(keys))
+    server = GrpcServer(
+        config, "router", [binding], on_stop=[close], guard=mesh_guard(keys, tls), tls=tls
+    )
     return Router(registry, monitor, server)
 
 

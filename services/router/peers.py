@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 
-from kvmesh.channels import insecure_channel
+from kvmesh.channels import member_channel
 from kvmesh.mesh_auth import MeshMember
 from kvmesh.v1 import worker_pb2_grpc
 
@@ -27,9 +27,7 @@ class Peers:
     def _channel(self, address: str, traced: bool) -> grpc.aio.Channel:
         channel = self._channels.get((address, traced))
         if channel is None:
-            channel = self._channels[address, traced] = insecure_channel(
-                address, traced, self.member
-            )
+            channel = self._channels[address, traced] = member_channel(address, self.member, traced)
         return channel
 
     def worker(self, address: str, traced: bool = True) -> worker_pb2_grpc.WorkerStub:

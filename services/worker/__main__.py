@@ -18,6 +18,7 @@ from kvmesh.grpc_server import (
 )
 from kvmesh.mesh_auth import mesh_guard
 from kvmesh.mesh_keys import MeshKeys
+from kvmesh.tls import tls_of
 from kvmesh.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.backends import create_engine
 from services.worker.config import WorkerConfig
@@ -62,6 +63,7 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
     )
     leases = LeaseTable(ttl_s=config.lease_ttl_s)
     keys = MeshKeys.from_file(config.mesh_secret_file)
+    tls = tls_of(config)
     # The lease names this worker's address, known only once the server has bound its port.
     servers: list[GrpcServer] = []
     servicer = WorkerServicer(
@@ -70,6 +72,7 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
         leases,
         lambda: config.advertise_address or servers[0].address,
         keys,
+        tls,
     )
     sweeper = LeaseSweeper(
         leases,
@@ -84,7 +87,11 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
         await engine.shutdown()
 
     binding = ServiceBinding(SERVICE_NAME, servicer, worker_pb2_grpc.add_WorkerServicer_to_server)
-    servers.append(GrpcServer(config, "worker", [binding], on_stop=[close], guard=mesh_guard(keys)))
+    servers.append(
+        GrpcServer(
+            config, "worker", [binding], on_stop=[close], guard=mesh_guard(keys, tls), tls=tls
+        )
+    )
     return Worker(engine, servicer, sweeper, servers[0])
 
 

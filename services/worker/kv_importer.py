@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from kvmesh.channels import insecure_channel
+from kvmesh.channels import member_channel
 from kvmesh.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -34,6 +34,7 @@ from kvmesh.mesh_keys import MeshKeys
 from kvmesh.rpc_status import error_from_rpc
 from kvmesh.streams import run_unless_cancelled
 from kvmesh.telemetry import tracer
+from kvmesh.tls import TlsFiles
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker import metrics
 from services.worker.engine.api import EngineRequest, ImportPlan, KvCapacityError
@@ -56,11 +57,13 @@ class KvImporter:
         address: Callable[[], str],
         keys: MeshKeys,
         spawn: Callable[[Coroutine[Any, Any, object]], None],
+        tls: TlsFiles | None = None,
     ) -> None:
         self.engine = engine
         self.layout = layout
         self._address = address
         self.keys = keys
+        self._tls = tls
         self._spawn = spawn
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -179,8 +182,8 @@ class KvImporter:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            member = MeshMember(MeshRole.WORKER, self._address(), self.keys)
-            channel = self._channels[address] = insecure_channel(address, member=member)
+            member = MeshMember(MeshRole.WORKER, self._address(), self.keys, self._tls)
+            channel = self._channels[address] = member_channel(address, member)
         return channel
 
     def _cancel_orphan_import(self, task: asyncio.Future[ImportPlan]) -> None:

@@ -40,6 +40,7 @@ from kvmesh.mesh_auth import caller_of
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.streams import CancelWatch, Coalescer, first_message, run_unless_cancelled
 from kvmesh.telemetry import tracer
+from kvmesh.tls import TlsFiles
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker import metrics
 from services.worker.config import WorkerConfig
@@ -122,6 +123,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         leases: LeaseTable,
         address: Callable[[], str],
         keys: MeshKeys,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -139,7 +141,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             chunk_bytes=config.kv_chunk_bytes,
             send_max_bytes_s=config.kv_send_max_mb_s * 1e6,
         )
-        self.importer = KvImporter(engine, self.layout, address, keys, self._spawn)
+        self.importer = KvImporter(engine, self.layout, address, keys, self._spawn, tls)
 
     # ---- colocated ------------------------------------------------------------------------
 

@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvmesh
-from kvmesh.channels import insecure_channel
+from kvmesh.channels import member_channel
 from kvmesh.mesh_auth import MeshMember, MeshRole
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.stack import (
@@ -105,6 +105,13 @@ class RunningStack:
     def worker_metrics_port(self, slot: int) -> int:
         return FIRST_WORKER_METRICS_PORT + self.offset + slot
 
+    def kill(self) -> None:
+        """Ends kvmesh up (and so its services) and its reader, if still running."""
+        for process in (self.proc, self.reader):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "kvmesh.cli", *args],
@@ -119,7 +126,13 @@ class RunningStack:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    state = tmp_path_factory.mktemp("stack")
+    running = start_kvmesh_up(tiny_llama_dir, tmp_path_factory.mktemp("stack"))
+    yield running
+    running.kill()
+
+
+def start_kvmesh_up(model: Path, state: Path, *extra: str) -> RunningStack:
+    """`kvmesh up` of the tiny model (plus `extra` flags) from `state`, once it is ready."""
     offset = pick_offset()
     gateway_port = 50051 + offset  # --port-offset moves the gateway too
     spans = state / "spans.jsonl"
@@ -130,7 +143,7 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             "kvmesh.cli",
             "up",
             "--model",
-            str(tiny_llama_dir),
+            str(model),
             "--tier",
             TIER,
             "--port-offset",
@@ -139,6 +152,7 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             str(spans),
             "--worker-arg=--num-kv-blocks=256",
             "--worker-arg=--num-threads=1",
+            *extra,
         ],
         cwd=state,
         env={
@@ -171,11 +185,7 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     if not ready.wait(240) or not became_ready or proc.poll() is not None:
         proc.kill()
         pytest.fail("kvmesh up did not become ready:\n" + "".join(running.output[-60:]))
-    yield running
-    for process in (proc, reader):
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    return running
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -345,7 +355,7 @@ def test_internal_ports_refuse_callers_outside_the_stack(stack: RunningStack) ->
         ):
             for member in (None, outsider):
                 address = f"127.0.0.1:{port + stack.offset}"
-                async with insecure_channel(address, member=member) as channel:
+                async with member_channel(address, member) as channel:
                     with pytest.raises(grpc.aio.AioRpcError) as raised:
                         await call(channel)
                     codes.append(raised.value.code())

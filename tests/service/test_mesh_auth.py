@@ -15,7 +15,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvmesh.channels import insecure_channel
+from kvmesh.channels import member_channel
 from kvmesh.config import load_config
 from kvmesh.grpc_server import GrpcServer
 from kvmesh.mesh_auth import (
@@ -70,7 +70,7 @@ class Stack:
             "cache": self.cache.address,
             "worker": self.worker.address,
         }[service]
-        return insecure_channel(address, member=caller)
+        return member_channel(address, caller)
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from kvmesh.channels import insecure_channel
+from kvmesh.channels import member_channel
 from kvmesh.config import load_config
 from kvmesh.grpc_server import GrpcServer, ServiceBinding
 from kvmesh.mesh_auth import (
@@ -112,9 +112,7 @@ def member_stub(
     address: str, role: MeshRole, name: str, keys: MeshKeys = KEYS
 ) -> worker_pb2_grpc.WorkerStub:
     """A stub that calls as the member `role`/`name`, with a token made from `keys`."""
-    return worker_pb2_grpc.WorkerStub(
-        insecure_channel(address, member=MeshMember(role, name, keys))
-    )
+    return worker_pb2_grpc.WorkerStub(member_channel(address, MeshMember(role, name, keys)))
 
 
 @pytest.fixture

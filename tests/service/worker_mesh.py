@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from kvmesh.channels import insecure_channel
+from kvmesh.channels import member_channel
 from kvmesh.config import load_config
 from kvmesh.mesh_auth import MeshMember
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -79,7 +79,7 @@ async def start_worker(
     (a member of the worker's stack, when it has a mesh secret)."""
     worker = build_worker(load_config(WorkerConfig, worker_args(model, role, *extra)))
     await worker.start()
-    return InProcessWorker(worker, insecure_channel(worker.server.address, member=caller))
+    return InProcessWorker(worker, member_channel(worker.server.address, caller))
 
 
 def request(
