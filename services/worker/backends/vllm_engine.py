@@ -43,6 +43,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from kvmesh.contracts.block_hashes import hash_block_chain
+from kvmesh.contracts.constraints import ConstraintError
 from kvmesh.contracts.model_files import resolve_model_path
 from services.worker.backends import vllm_connector
 from services.worker.backends.kv_files import BlockFiles, make_store_dir
@@ -387,6 +388,10 @@ class VllmEngine:
     def _sampling(
         self, sampling: SamplingParams, max_tokens: int, kv_params: dict[str, Any] | None = None
     ) -> VllmSamplingParams:
+        if sampling.constraint is not None:  # fail closed: never free text in its place
+            raise ConstraintError(
+                sampling.constraint.field, "the vllm engine backend does not take constraints yet"
+            )
         return VllmSamplingParams(
             max_tokens=max_tokens,
             temperature=sampling.temperature,

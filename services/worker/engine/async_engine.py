@@ -180,6 +180,7 @@ class AsyncEngine:
         self, req: EngineRequest, block_hashes: list[bytes], num_tokens: int
     ) -> ImportPlan:
         self._check_unused(req.request_id)
+        await self._grammar_ready(req)
         plan = await self._call(lambda: self._engine.start_import(req, block_hashes, num_tokens))
         self._imports.open(plan.request_id, plan.block_ids, owner=plan)
         return plan
@@ -236,7 +237,16 @@ class AsyncEngine:
         if request_id in self._streams or request_id in self._hold_waiters:
             raise ValueError(f"request id {request_id!r} is already in use")
 
+    async def _grammar_ready(self, req: EngineRequest) -> None:
+        """Wait here, on the loop, for a constrained request's grammar to compile, so the
+        engine thread never waits for it (ConstraintError when refused or too slow)."""
+        constraint = req.sampling.constraint
+        if constraint is not None:
+            constraint.validate()
+            await self._engine.grammars.wait_async(constraint)
+
     async def _add(self, req: EngineRequest, *, hold: bool = False) -> None:
+        await self._grammar_ready(req)
         if req.priority is Priority.INTERACTIVE:
             # Before the command is queued: the engine thread clears the flag only once it has
             # taken a command, so the flag never outlives the command that raised it.

@@ -9,6 +9,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")
 SMALL_BATCH_LINEAR = ("auto", "kernel", "torch")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
 
 
 @dataclass(slots=True)
@@ -62,6 +63,16 @@ class EngineConfig:
     (the C matrix-vector kernel, CPU float32 only, compiled on first use), "torch" (torch's
     matmul), or "auto" (the kernel where it applies and a C compiler is present)."""
 
+    grammar_backend: str = "xgrammar"
+    """Library that compiles structured-output constraints and masks tokens: "xgrammar" or
+    "llguidance" (services/worker/engine/grammar.py)."""
+
+    grammar_compile_timeout_s: float = 10.0
+    """A constraint whose compile takes longer is refused (INVALID_ARGUMENT naming it)."""
+
+    grammar_compile_threads: int = 2
+    """Threads compiling constraints off the step loop."""
+
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -70,6 +81,7 @@ class EngineConfig:
             "quantization": (self.quantization, QUANTIZATIONS),
             "decode_attention": (self.decode_attention, DECODE_ATTENTION),
             "small_batch_linear": (self.small_batch_linear, SMALL_BATCH_LINEAR),
+            "grammar_backend": (self.grammar_backend, GRAMMAR_BACKENDS),
         }
         for name, (chosen, allowed) in choices.items():
             if chosen not in allowed:
@@ -79,6 +91,7 @@ class EngineConfig:
             "kv_cache_bytes": self.kv_cache_bytes,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_num_seqs": self.max_num_seqs,
+            "grammar_compile_threads": self.grammar_compile_threads,
         }
         if self.num_kv_blocks is not None:
             positive["num_kv_blocks"] = self.num_kv_blocks
@@ -89,6 +102,10 @@ class EngineConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}"
+            )
 
     def replace(self, **overrides: object) -> EngineConfig:
         """A copy with some fields changed (unknown names raise TypeError)."""

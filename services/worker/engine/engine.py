@@ -32,6 +32,7 @@ from services.worker.engine.api import (
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.decode_kernel import choose_decode_kernel
+from services.worker.engine.grammar import GrammarCompiler, make_backend
 from services.worker.engine.kv_cache_manager import KvCacheManager, cdiv
 from services.worker.engine.linear_kernel import choose_linear_kernel
 from services.worker.engine.loader import LoadedModel, load_model, torch_dtype
@@ -81,6 +82,13 @@ class Engine:
         )
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(
+            make_backend(config.grammar_backend, loaded.tokenizer, self.vocab_size),
+            threads=config.grammar_compile_threads,
+            timeout_s=config.grammar_compile_timeout_s,
+            vocab_size=self.vocab_size,
+            max_rows=config.max_num_seqs,
+        )
         self._states: dict[str, RequestState] = {}
         self._imports: dict[str, tuple[ImportPlan, RequestState]] = {}
         self._ready_handles: dict[str, KvHandle] = {}
@@ -108,7 +116,11 @@ class Engine:
 
     def add_request(self, req: EngineRequest, *, hold_after_prefill: bool = False) -> None:
         """Queue a request. With hold_after_prefill it stops after its first token and its
-        prompt's blocks stay pinned under a KvHandle (take it with take_handle)."""
+        prompt's blocks stay pinned under a KvHandle (take it with take_handle).
+
+        A constrained request's grammar must compile first: this blocks on its compile unless
+        the caller waited for it (AsyncEngine does, off the engine thread); a refusal is a
+        ConstraintError naming the field."""
         self._check_new(req, max_new_tokens=1 if hold_after_prefill else req.sampling.max_tokens)
         state = self._new_state(req, hold_after_prefill)
         self._states[req.request_id] = state
@@ -156,6 +168,7 @@ class Engine:
                 [self._batch_entry(chunk) for chunk in plan.chunks],
                 interactive_waiting if batch_only else None,
             )
+            self.grammars.mask_logits(logits, [c.state.matcher for c in sampled])
             rows = [SampleRow(c.state.request.sampling, c.state.num_output_tokens) for c in sampled]
             result = self.sampler.sample(logits, rows)
         except StepInterrupted:
@@ -247,12 +260,12 @@ class Engine:
         self.kv.cache_computed_blocks(state)
         state.token_ids.append(first_token_id)
         # Replays what the prefill engine did with this token (its text was sent from there),
-        # so that stop strings and detokenization continue from the same state.
-        _, finish = state.processor.process(first_token_id, 1, state.num_tokens)
+        # so that stop strings, detokenization and the grammar continue from the same state.
+        _, finish, error = self._after_token(state, first_token_id)
         self._states[plan.request_id] = state
         self.scheduler.add_running(state)
         if finish is not None:
-            self._pending.append(self._end(state, finish))
+            self._pending.append(self._end(state, finish, error))
 
     def cancel_import(self, plan: ImportPlan) -> None:
         """Free every block the plan allocated."""
@@ -300,7 +313,9 @@ class Engine:
         processor = OutputProcessor(
             req.sampling, detokenizer, self.tokenizer.eos_token_ids, self.context_length
         )
+        constraint = req.sampling.constraint
         return RequestState(
+            matcher=None if constraint is None else self.grammars.matcher(constraint),
             request=req,
             arrival_seq=next(self._arrivals),
             token_ids=list(req.prompt_token_ids),
@@ -329,13 +344,28 @@ class Engine:
         self, state: RequestState, token_id: int, logprob: TokenLogprob | None
     ) -> RequestOutput:
         state.token_ids.append(token_id)
-        text, finish = state.processor.process(token_id, state.num_output_tokens, state.num_tokens)
+        text, finish, error = self._after_token(state, token_id)
         if finish is not None:
             self._retire(state)
         elif state.hold_after_prefill:
             self._hold(state)
         logprobs = None if logprob is None else [logprob]
-        return self._output(state, [token_id], text, logprobs, finish)
+        return self._output(state, [token_id], text, logprobs, finish, error)
+
+    def _after_token(
+        self, state: RequestState, token_id: int
+    ) -> tuple[str, FinishReason | None, str | None]:
+        """Text, finish reason and error after one token (already in state.token_ids): stop
+        conditions first, then the grammar, which ends the request once it is complete."""
+        text, finish = state.processor.process(token_id, state.num_output_tokens, state.num_tokens)
+        matcher = state.matcher
+        if finish is not None or matcher is None:
+            return text, finish, None
+        if not matcher.accept(token_id):
+            return text, FinishReason.ERROR, f"token {token_id} breaks the output constraint"
+        if matcher.is_terminated():
+            return text + state.processor.flush(), FinishReason.STOP, None
+        return text, None, None
 
     def _hold(self, state: RequestState) -> None:
         handle_id = uuid.uuid4().hex

@@ -44,6 +44,10 @@ class LLM:
         prompt_ids = [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
         request_ids = [f"llm-{next(self._request_ids)}" for _ in prompts]
         progress = {rid: _Progress() for rid in request_ids}
+        for sp in params:  # every compile starts before the first one is waited for
+            if sp.constraint is not None:
+                sp.constraint.validate()
+                self.engine.grammars.submit(sp.constraint)
         try:
             for rid, ids, sp in zip(request_ids, prompt_ids, params, strict=True):
                 self.engine.add_request(EngineRequest(rid, ids, sp))

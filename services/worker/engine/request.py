@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from services.worker.engine.api import EngineRequest, Priority
 
 if TYPE_CHECKING:
+    from services.worker.engine.grammar import GrammarMatcher
     from services.worker.engine.output_processor import OutputProcessor
 
 
@@ -42,6 +43,9 @@ class RequestState:
     # Chained hashes of the full blocks of token_ids computed so far (a cache: tokens of a
     # full block never change, so neither do their hashes).
     block_hashes: list[bytes] = field(default_factory=list)
+    # Where a constrained request is in its grammar (advanced by every sampled token; kept
+    # across a preemption, since the tokens are).
+    matcher: GrammarMatcher | None = None
 
     @property
     def request_id(self) -> str:

@@ -1,0 +1,390 @@
+"""Structured output on the tiny random Llama, with both grammar backends.
+
+The model is random, so whatever it "wants" to say is noise: every answer that parses and
+validates does so because of the mask, not the model. Unconstrained requests sharing the batch
+must produce exactly the tokens they produce without constrained neighbours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from kvmesh.contracts.constraints import Constraint, ConstraintError, ConstraintKind
+from services.worker.engine.api import EngineRequest, FinishReason, SamplingParams
+from services.worker.engine.async_engine import AsyncEngine
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.grammar import GrammarCompiler
+from services.worker.engine.grammar_xgrammar import XgrammarBackend
+from services.worker.engine.loader import LoadedModel, load_model
+from tests.unit.engine.test_engine import Result, drive
+
+BACKENDS = ["xgrammar", "llguidance"]
+MAX_TOKENS = 160
+
+SCHEMAS: dict[str, dict[str, object]] = {
+    "nested_object": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                    "floor": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["zip", "floor"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "address"],
+        "additionalProperties": False,
+    },
+    "array_item_counts": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -5, "maximum": 5},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    "enum_and_const": {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "version": {"const": 2},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["color", "version", "ok"],
+        "additionalProperties": False,
+    },
+    "number_ranges": {
+        "type": "object",
+        "properties": {
+            "count": {"type": "integer", "minimum": 10, "maximum": 20},
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+        "required": ["count", "ratio"],
+        "additionalProperties": False,
+    },
+    "any_of_one_of": {
+        "type": "object",
+        "properties": {
+            "id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]},
+            "kind": {
+                "oneOf": [
+                    {"type": "string", "enum": ["cat", "dog"]},
+                    {"type": "boolean"},
+                ]
+            },
+        },
+        "required": ["id", "kind"],
+        "additionalProperties": False,
+    },
+    "defs_and_ref": {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"from": {"$ref": "#/$defs/point"}, "to": {"$ref": "#/$defs/point"}},
+        "required": ["from", "to"],
+        "additionalProperties": False,
+    },
+}
+SEEDS = [None, 0, 1, 2]
+"""None: greedy; the others sample at temperature 0.9 with that seed."""
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_llama_dir))
+
+
+def make_engine(loaded: LoadedModel, backend: str, **overrides: object) -> Engine:
+    config = EngineConfig(
+        num_kv_blocks=256, max_num_batched_tokens=256, grammar_backend=backend
+    ).replace(**overrides)
+    return Engine(loaded, config)
+
+
+def sampling(seed: int | None, constraint: Constraint | None = None) -> SamplingParams:
+    if seed is None:
+        return SamplingParams(max_tokens=MAX_TOKENS, constraint=constraint)
+    return SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=seed, constraint=constraint
+    )
+
+
+def prompt(n: int) -> list[int]:
+    generator = torch.Generator().manual_seed(100 + n)
+    return torch.randint(3, 300, (5 + n % 7,), generator=generator).tolist()
+
+
+def unconstrained_requests() -> list[EngineRequest]:
+    """Free-text neighbours: greedy, seeded, with top-k, and with a stop token id."""
+    return [
+        EngineRequest("free-greedy", prompt(90), SamplingParams(max_tokens=40, ignore_eos=True)),
+        EngineRequest(
+            "free-seeded",
+            prompt(91),
+            SamplingParams(max_tokens=40, temperature=0.8, top_k=20, seed=5, ignore_eos=True),
+        ),
+        EngineRequest("free-short", prompt(92), SamplingParams(max_tokens=7, ignore_eos=True)),
+    ]
+
+
+def parse_json(text: str, backend: str) -> object:
+    """xgrammar's JSON strings admit raw control characters (U+0000-U+001F), which strict
+    JSON forbids; llguidance's do not. Known gap (issue 16), so xgrammar answers are parsed
+    leniently here."""
+    return json.loads(text, strict=backend == "llguidance")
+
+
+def finished(results: dict[str, Result], request_id: str) -> Result:
+    result = results[request_id]
+    assert result.finish_reason is not None
+    return result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_schema_suite_validates_in_one_batch_with_free_text_unchanged(
+    tiny_loaded: LoadedModel, backend: str
+) -> None:
+    constrained = [
+        EngineRequest(
+            f"{name}-{seed}",
+            prompt(n),
+            sampling(seed, Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))),
+        )
+        for n, (name, schema) in enumerate(SCHEMAS.items())
+        for seed in SEEDS
+    ]
+    free = unconstrained_requests()
+    engine = make_engine(tiny_loaded, backend)
+    mixed = drive(engine, {0: constrained[:12] + free[:2], 2: constrained[12:] + free[2:]})
+    for request in constrained:
+        result = finished(mixed, request.request_id)
+        assert result.finish_reason is FinishReason.STOP, (request.request_id, result.text)
+        schema = SCHEMAS[request.request_id.rsplit("-", 1)[0]]
+        jsonschema.validate(parse_json(result.text, backend), schema)
+    alone = drive(make_engine(tiny_loaded, backend), {0: free[:2], 2: free[2:]})
+    for request in free:
+        assert mixed[request.request_id].token_ids == alone[request.request_id].token_ids
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+GRAMMARS = [
+    (Constraint(ConstraintKind.REGEX, "[a-c]{2,4}-[0-9]{3}"), r"[a-c]{2,4}-[0-9]{3}"),
+    (
+        Constraint(ConstraintKind.CHOICE, options=("yes", "no", "a|b (c)", "x\ny")),
+        r"yes|no|a\|b \(c\)|x\ny",
+    ),
+    (
+        Constraint(ConstraintKind.EBNF, 'root ::= "(" [0-9] ("+" [0-9])* ")"'),
+        r"\([0-9](\+[0-9])*\)",
+    ),
+    (Constraint(ConstraintKind.LARK, 'start: "<" WORD ">"\nWORD: /[a-z]{1,8}/'), r"<[a-z]{1,8}>"),
+    (Constraint(ConstraintKind.JSON_OBJECT), None),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regex_choice_and_grammars_match(tiny_loaded: LoadedModel, backend: str) -> None:
+    requests = [
+        EngineRequest(f"g{i}-{seed}", prompt(i), sampling(seed, constraint))
+        for i, (constraint, _) in enumerate(GRAMMARS)
+        for seed in SEEDS
+    ]
+    engine = make_engine(tiny_loaded, backend)
+    results = drive(engine, {0: requests})
+    for request in requests:
+        result = finished(results, request.request_id)
+        assert result.finish_reason is FinishReason.STOP, (request.request_id, result.text)
+        pattern = GRAMMARS[int(request.request_id[1 : request.request_id.index("-")])][1]
+        if pattern is None:
+            assert isinstance(parse_json(result.text, backend), dict)
+        else:
+            assert re.fullmatch(pattern, result.text), (request.request_id, result.text)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "constraint",
+    [
+        Constraint(ConstraintKind.JSON_SCHEMA, '{"type": "strnig"}'),
+        Constraint(ConstraintKind.REGEX, "(unclosed"),
+        Constraint(ConstraintKind.EBNF, "root ::= undefined_rule"),
+        Constraint(ConstraintKind.LARK, "start: missing_rule"),
+    ],
+)
+def test_a_constraint_that_does_not_compile_is_refused_before_any_token(
+    tiny_loaded: LoadedModel, backend: str, constraint: Constraint
+) -> None:
+    engine = make_engine(tiny_loaded, backend)
+    with pytest.raises(ConstraintError) as refused:
+        engine.add_request(EngineRequest("bad", prompt(1), sampling(None, constraint)))
+    assert refused.value.field == constraint.field
+    assert "does not compile" in refused.value.detail
+    assert not engine.has_work() and engine.live_request_ids() == []
+
+
+class GatedBackend:
+    """The real xgrammar backend whose compiles wait for a gate: a compile as slow as the
+    test needs, on any machine."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.inner = XgrammarBackend(engine.tokenizer, engine.vocab_size)
+        self.gate = threading.Event()
+        self.matcher = self.inner.matcher
+        self.fill_bitmask = self.inner.fill_bitmask
+
+    def compile(self, constraint: Constraint) -> object:
+        self.gate.wait()
+        return self.inner.compile(constraint)
+
+
+def gated(engine: Engine, timeout_s: float) -> GatedBackend:
+    backend = GatedBackend(engine)
+    engine.grammars = GrammarCompiler(
+        lambda: backend, threads=2, timeout_s=timeout_s, vocab_size=engine.vocab_size, max_rows=8
+    )
+    return backend
+
+
+def test_a_compile_past_its_time_limit_is_refused(tiny_loaded: LoadedModel) -> None:
+    engine = make_engine(tiny_loaded, "xgrammar")
+    backend = gated(engine, timeout_s=0.05)
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["defs_and_ref"]))
+    with pytest.raises(ConstraintError, match=r"did not compile within 0\.05 s") as refused:
+        engine.add_request(EngineRequest("slow", prompt(1), sampling(None, constraint)))
+    assert refused.value.field == "sampling.json_schema"
+    assert not engine.has_work()
+    backend.gate.set()
+
+
+async def test_a_request_waiting_for_its_grammar_holds_up_nobody(
+    tiny_loaded: LoadedModel,
+) -> None:
+    engine = make_engine(tiny_loaded, "xgrammar")
+    backend = gated(engine, timeout_s=60)
+    async_engine = AsyncEngine(engine)
+    await async_engine.start()
+    try:
+        constraint = Constraint(ConstraintKind.REGEX, "[0-9]{3}")
+        waiting = [
+            asyncio.ensure_future(collect(async_engine, f"c{i}", sampling(i, constraint)))
+            for i in range(3)
+        ]
+        free = await collect(async_engine, "free", SamplingParams(max_tokens=8, ignore_eos=True))
+        assert len(free) == 8 and not any(task.done() for task in waiting)
+        backend.gate.set()
+        answers = await asyncio.gather(*waiting)
+        assert engine.grammars.num_compiles == 1
+        texts = [engine.tokenizer.decode(ids) for ids in answers]
+        assert all(re.fullmatch("[0-9]{3}", text) for text in texts), texts
+    finally:
+        await async_engine.shutdown()
+
+
+async def collect(engine: AsyncEngine, request_id: str, params: SamplingParams) -> list[int]:
+    tokens: list[int] = []
+    async for output in engine.generate(EngineRequest(request_id, prompt(7), params)):
+        tokens.extend(output.new_token_ids)
+    return tokens
+
+
+def test_one_compile_per_constraint_however_many_wait(tiny_loaded: LoadedModel) -> None:
+    engine = make_engine(tiny_loaded, "xgrammar")
+    constraint = Constraint(ConstraintKind.REGEX, "[0-9]{4}")
+    futures = {id(engine.grammars.submit(constraint)) for _ in range(8)}
+    requests = [
+        EngineRequest(f"r{i}", prompt(i), sampling(i, Constraint(ConstraintKind.REGEX, "[0-9]{4}")))
+        for i in range(8)
+    ]
+    results = drive(engine, {0: requests})
+    assert len(futures) == 1 and engine.grammars.num_compiles == 1
+    assert all(re.fullmatch("[0-9]{4}", results[r.request_id].text) for r in requests)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_preemption_and_prefix_hits_keep_the_constraint(
+    tiny_loaded: LoadedModel, backend: str
+) -> None:
+    """A pool too small for every request at once: requests are preempted (recompute) and
+    readmitted with prefix-cache hits, and every answer still validates."""
+    schema = SCHEMAS["defs_and_ref"]
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+    params = [SamplingParams(60, 0.9, seed=seed, constraint=constraint) for seed in range(6)]
+    requests = [EngineRequest(f"p{seed}", prompt(seed) * 2, params[seed]) for seed in range(6)]
+    engine = make_engine(tiny_loaded, backend, num_kv_blocks=20, block_size=4)
+    results = drive(engine, {0: requests})
+    assert engine.scheduler.num_preemptions > 0
+    for request in requests:
+        result = finished(results, request.request_id)
+        assert result.finish_reason is FinishReason.STOP
+        jsonschema.validate(parse_json(result.text, backend), schema)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_length_abort_and_deadline_mid_answer_free_every_block(tiny_loaded: LoadedModel) -> None:
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["nested_object"]))
+    engine = make_engine(tiny_loaded, "xgrammar")
+    cut = EngineRequest("cut", prompt(1), SamplingParams(max_tokens=5, constraint=constraint))
+    aborted = EngineRequest("aborted", prompt(2), sampling(0, constraint))
+    late = EngineRequest("late", prompt(3), sampling(1, constraint))
+
+    def on_step(step: int, engine: Engine) -> None:
+        if step == 4:
+            engine.abort("aborted")
+            late.deadline = 0.0  # passed: the next step ends it
+
+    results = drive(engine, {0: [cut, aborted, late]}, on_step)
+    assert results["cut"].finish_reason is FinishReason.LENGTH
+    assert len(results["cut"].token_ids) == 5 and results["cut"].text.startswith('{"name')
+    assert results["aborted"].finish_reason is FinishReason.ABORT
+    assert results["late"].finish_reason is FinishReason.DEADLINE
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", [None, 4])
+def test_split_prefill_and_decode_equals_colocated(
+    tiny_loaded: LoadedModel, backend: str, seed: int | None
+) -> None:
+    """The prefill engine samples the first token under the constraint; the decode engine
+    rebuilds the matcher from the constraint and that token and continues token for token."""
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["nested_object"]))
+    request = EngineRequest("s", prompt(5), sampling(seed, constraint))
+    colocated = drive(make_engine(tiny_loaded, backend), {0: [request]})["s"]
+
+    prefill, decode = make_engine(tiny_loaded, backend), make_engine(tiny_loaded, backend)
+    prefill.add_request(request, hold_after_prefill=True)
+    (first,) = prefill.step()
+    handle = prefill.take_handle("s")
+    assert handle is not None
+    plan = decode.start_import(request, handle.block_hashes, handle.num_tokens)
+    blobs = prefill.export_blocks(handle.handle_id, plan.missing_indices)
+    for index, blob in zip(plan.missing_indices, blobs, strict=True):
+        decode.write_imported_block(plan, index, blob)
+    decode.commit_import(plan, first.new_token_ids[0])
+    rest = drive(decode, {0: []})["s"]
+    assert first.new_token_ids + rest.token_ids == colocated.token_ids
+    assert first.text_delta + rest.text == colocated.text
+    assert rest.finish_reason is FinishReason.STOP
+    prefill.release(handle.handle_id)
+    assert decode.pool.num_free_blocks == decode.pool.num_blocks
