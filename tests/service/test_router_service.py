@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from collections.abc import AsyncIterator
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import jsonschema
 import pytest
 import yaml
 
@@ -359,4 +361,46 @@ async def test_bad_requests_are_rejected(mesh: Mesh) -> None:
         details = raised.value.details() or ""
         assert details.startswith(field), details
         assert not any(w.address in details for w in mesh.workers.values())  # the router's own
+    assert await all_idle([w.stub for w in mesh.workers.values()])
+
+
+CONSTRAINED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Oslo", "Lima"]},
+        "rooms": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "open": {"type": "boolean"},
+    },
+    "required": ["city", "rooms", "open"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "seeded"])
+async def test_a_constrained_answer_is_the_same_split_colocated_and_offline(
+    mesh: Mesh, tiny_llama_dir: Path, seed: int | None
+) -> None:
+    """The constraint travels router -> prefill -> decode unchanged: the prefill worker samples
+    the first token under it, the decode worker rebuilds the matcher and continues."""
+    sampling = common_pb2.SamplingParams(max_tokens=80, json_schema=json.dumps(CONSTRAINED_SCHEMA))
+    if seed is not None:
+        sampling.temperature, sampling.top_p, sampling.seed = 0.9, 0.95, seed
+    (expected,) = offline(tiny_llama_dir, [LONG], sampling)
+    split = await route(mesh.stub, request("split", LONG, sampling, model="tiny"))
+    alone = await route(mesh.stub, request("alone", LONG, sampling, model="tiny-co"))
+    assert split.token_ids == alone.token_ids == expected
+    assert split.text == alone.text
+    assert split.finished.finish_reason == common_pb2.FINISH_REASON_STOP
+    jsonschema.validate(json.loads(split.text, strict=False), CONSTRAINED_SCHEMA)
+    assert await all_idle([w.stub for w in mesh.workers.values()])
+
+
+async def test_a_constraint_that_does_not_compile_is_invalid_argument(mesh: Mesh) -> None:
+    """Refused by the worker's compile (the router's bounds pass it), named, not retried."""
+    bad = common_pb2.SamplingParams(max_tokens=8, json_schema='{"type": "strnig"}')
+    for model in ("tiny", "tiny-co"):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await route(mesh.stub, request(f"bad-{model}", LONG, bad, model=model))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.json_schema" in (raised.value.details() or "")
     assert await all_idle([w.stub for w in mesh.workers.values()])
