@@ -1,7 +1,8 @@
 """The `kvmesh` command: one argparse subcommand per function.
 
 kvmesh generate [--target HOST:PORT] [--model M] [--max-tokens N] [--temperature T]
-                [--seed S] [--priority interactive|batch] [--json] PROMPT
+                [--seed S] [--priority interactive|batch] [--json]
+                [--json-schema FILE | --regex RE | --choice OPTION ...] PROMPT
 kvmesh chat     [--target HOST:PORT] [--model M] [--system TEXT] ...
 kvmesh tenants add NAME --file tenants.yaml [limits...]
 kvmesh up | bench | status | scale      (kvmesh.cli_stack)
@@ -133,10 +134,40 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
         "--cache", choices=list(CACHE_POLICIES), default="use", help="response-cache policy"
     )
     parser.add_argument("--deadline", type=float, default=None, help="seconds (None: gateway's)")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="answer with JSON that validates against the JSON Schema in FILE",
+    )
+    constraint.add_argument(
+        "--regex", default=None, help="answer with text that matches this regular expression"
+    )
+    constraint.add_argument(
+        "--choice",
+        action="append",
+        default=None,
+        metavar="OPTION",
+        help="answer with exactly one of these strings (repeat the flag for each option)",
+    )
+
+
+def _read_schema(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise InvalidArgument("--json-schema", f"cannot read {path}: {error.strerror}") from None
 
 
 def _request_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
+        "json_schema": _read_schema(args.json_schema),
+        "regex": args.regex,
+        "choice": args.choice,
         "model": args.model,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import threading
 from collections.abc import AsyncIterator, Coroutine, Generator, Mapping, Sequence
@@ -176,8 +177,18 @@ def build_request(
     idempotency_key: str = "",
     request_id: str = "",
     labels: Mapping[str, str] | None = None,
+    json_schema: str | Mapping[str, Any] | None = None,
+    json_object: bool = False,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+    grammar_notation: str = "ebnf",
 ) -> gateway_pb2.GenerateRequest:
-    """The GenerateRequest for these arguments (ValueError for an unknown priority or policy)."""
+    """The GenerateRequest for these arguments (ValueError for an unknown priority or policy,
+    or for more than one output constraint).
+
+    At most one constraint shapes the answer: a JSON Schema (text or a dict), any JSON object,
+    a regex, a choice of strings, or a grammar (`grammar_notation` "ebnf" or "lark")."""
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
     if cache_policy not in CACHE_POLICIES:
@@ -191,6 +202,7 @@ def build_request(
     _set_unsigned(sampling, "top_k", top_k, UINT32_MAX)
     _set_unsigned(sampling, "seed", seed, UINT64_MAX)
     _set_unsigned(sampling, "logprobs", logprobs, UINT32_MAX)
+    _set_constraint(sampling, json_schema, json_object, regex, choice, grammar, grammar_notation)
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
         idempotency_key=idempotency_key,
@@ -201,6 +213,48 @@ def build_request(
         cache_policy=CACHE_POLICIES[cache_policy],  # type: ignore[arg-type]
         labels=dict(labels or {}),
     )
+
+
+GRAMMAR_NOTATIONS = {
+    "ebnf": common_pb2.GRAMMAR_NOTATION_EBNF,
+    "lark": common_pb2.GRAMMAR_NOTATION_LARK,
+}
+
+
+def _set_constraint(
+    sampling: common_pb2.SamplingParams,
+    json_schema: str | Mapping[str, Any] | None,
+    json_object: bool,
+    regex: str | None,
+    choice: Sequence[str] | None,
+    grammar: str | None,
+    grammar_notation: str,
+) -> None:
+    given = {
+        "json_schema": json_schema is not None,
+        "json_object": json_object,
+        "regex": regex is not None,
+        "choice": choice is not None,
+        "grammar": grammar is not None,
+    }
+    if sum(given.values()) > 1:
+        named = ", ".join(name for name, set_ in given.items() if set_)
+        raise ValueError(f"at most one output constraint, got {named}")
+    if json_schema is not None:
+        sampling.json_schema = (
+            json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        )
+    elif json_object:
+        sampling.json_object = True
+    elif regex is not None:
+        sampling.regex = regex
+    elif choice is not None:
+        sampling.choice.options.extend(choice)
+    elif grammar is not None:
+        if grammar_notation not in GRAMMAR_NOTATIONS:
+            raise ValueError(f"grammar_notation must be one of {', '.join(GRAMMAR_NOTATIONS)}")
+        sampling.grammar.notation = GRAMMAR_NOTATIONS[grammar_notation]
+        sampling.grammar.source = grammar
 
 
 UINT32_MAX = 2**32 - 1

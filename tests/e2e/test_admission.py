@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
 import pytest
 import redis
 import yaml
@@ -807,3 +810,38 @@ def test_cli_generate_json_and_chat(
     assert capsys.readouterr().out.count("\n") >= 2
     assert cli_main(["generate", *target, "--model", "nope", "x"]) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+# --- structured output -----------------------------------------------------------------------
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["spam", "ham"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
+    "required": ["label", "score"],
+    "additionalProperties": False,
+}
+
+
+async def test_sdk_constraints_give_answers_that_parse_and_are_cached_by_constraint(
+    mesh: Mesh,
+) -> None:
+    """Through gateway, cache, router and worker: each answer fits its constraint, a repeat
+    is a response-cache hit, and another constraint on the same prompt is not."""
+    prompt = unique("classify this message")
+    async with mesh.client() as client:
+        first = await client.generate(prompt, max_tokens=40, json_schema=ANSWER_SCHEMA)
+        again = await client.generate(prompt, max_tokens=40, json_schema=ANSWER_SCHEMA)
+        regex = await client.generate(prompt, max_tokens=40, regex="[A-Z]{3}-[0-9]{2}")
+        choice = await client.generate(prompt, max_tokens=40, choice=["yes", "no", "maybe"])
+        with pytest.raises(InvalidArgument, match=r"sampling\.json_schema"):
+            await client.generate(prompt, max_tokens=4, json_schema='{"type": "strnig"}')
+    assert first.finish_reason == "stop"
+    jsonschema.validate(json.loads(first.text, strict=False), ANSWER_SCHEMA)
+    assert not first.usage.response_cache_hit and again.usage.response_cache_hit
+    assert again.text == first.text
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", regex.text) and not regex.usage.response_cache_hit
+    assert choice.text in ("yes", "no", "maybe") and choice.finish_reason == "stop"
+    assert (await worker_stats(mesh)).kv_blocks_free == KV_BLOCKS

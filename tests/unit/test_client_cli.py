@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,7 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from kvmesh.cli import build_parser, describe_error, main, read_prompt, warn_if_cut_short
+from kvmesh.cli import (
+    _request_options,
+    build_parser,
+    describe_error,
+    main,
+    read_prompt,
+    warn_if_cut_short,
+)
 from kvmesh.client import (
     GenerationResult,
     UsageInfo,
@@ -179,3 +187,34 @@ def test_a_deadline_finish_is_surfaced_on_stderr(reason: str, warned: bool) -> N
     expected = "kvmesh: warning: the deadline passed after 3 tokens; the answer is cut short\n"
     assert err.getvalue() == (expected if warned else "")
     assert result.to_json()["finish_reason"] == reason  # --json carries it as is
+
+
+def test_build_request_sets_one_output_constraint(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert json.loads(build_request("x", json_schema=schema).sampling.json_schema) == schema
+    assert build_request("x", json_schema='{"type": "null"}').sampling.json_schema
+    assert build_request("x", json_object=True).sampling.json_object
+    assert build_request("x", regex="[a-z]+").sampling.regex == "[a-z]+"
+    assert list(build_request("x", choice=["a", "b"]).sampling.choice.options) == ["a", "b"]
+    lark = build_request("x", grammar='start: "a"', grammar_notation="lark").sampling.grammar
+    assert (lark.notation, lark.source) == (common_pb2.GRAMMAR_NOTATION_LARK, 'start: "a"')
+    assert build_request("x").sampling.WhichOneof("constraint") is None
+    with pytest.raises(ValueError, match="at most one output constraint, got regex, choice"):
+        build_request("x", regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="grammar_notation"):
+        build_request("x", grammar="root ::= x", grammar_notation="peg")
+
+
+def test_generate_takes_a_schema_file_a_regex_or_choices(tmp_path: Path) -> None:
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text('{"type": "boolean"}', encoding="utf-8")
+    parse = build_parser().parse_args
+    options = _request_options(parse(["generate", "--json-schema", str(schema_file), "p"]))
+    assert options["json_schema"] == '{"type": "boolean"}'
+    assert _request_options(parse(["generate", "--regex", "[0-9]+", "p"]))["regex"] == "[0-9]+"
+    choices = parse(["generate", "--choice", "yes", "--choice", "no", "p"])
+    assert _request_options(choices)["choice"] == ["yes", "no"]
+    with pytest.raises(InvalidArgument, match="--json-schema: cannot read"):
+        _request_options(parse(["generate", "--json-schema", str(tmp_path / "none"), "p"]))
+    with pytest.raises(SystemExit):  # argparse: not allowed with each other
+        parse(["generate", "--regex", "a", "--choice", "a", "p"])
