@@ -54,7 +54,7 @@ from kvmesh.stack import (
     write_pools_file,
 )
 from kvmesh.supervisor import Supervisor
-from kvmesh.up import start_waves
+from kvmesh.up import issue_certificates, start_waves
 from kvmesh.v1 import gateway_pb2
 from services.worker.backends import create_engine
 from services.worker.engine.api import EngineBackend, EngineRequest, SamplingParams
@@ -177,16 +177,20 @@ async def running_mesh(args: argparse.Namespace) -> AsyncIterator[str]:
 
 
 @contextlib.asynccontextmanager
-async def running_stack(args: argparse.Namespace) -> AsyncIterator[list[StackService]]:
-    """`kvmesh up`'s disaggregated stack, on bench ports; yields its services once all serve."""
+async def running_stack(
+    args: argparse.Namespace, port_offset: int = PORT_OFFSET, tls: bool = False
+) -> AsyncIterator[list[StackService]]:
+    """`kvmesh up`'s disaggregated stack (with --tls: its certificates too), on bench ports;
+    yields its services once all serve."""
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-mesh-") as state:
         options = StackOptions(
             model=args.model,
             mode="disaggregated",
-            port_offset=PORT_OFFSET,
-            gateway_port=50051 + PORT_OFFSET,
-            http_port=OPENAI_HTTP_PORT + PORT_OFFSET,
+            port_offset=port_offset,
+            gateway_port=50051 + port_offset,
+            http_port=OPENAI_HTTP_PORT + port_offset,
             state_dir=Path(state),
+            tls=tls,
         )
         services = plan_stack(options)
         supervisor = Supervisor(printer=quiet)
@@ -194,6 +198,8 @@ async def running_stack(args: argparse.Namespace) -> AsyncIterator[list[StackSer
         write_pools_file(options, [s for s in services if s.role])
         if options.mesh_auth:  # as `kvmesh up` does: the services read it at start
             write_secret_file(mesh_secret_path(options.state_dir))
+        if options.tls:
+            issue_certificates(options, services)
         try:
             await supervisor.start_all(start_waves(services))
             yield services
