@@ -58,6 +58,12 @@ class Tokenizer:
             None if bos_token is None else backend.token_to_id(bos_token)
         )
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        # The longest token as the vocabulary spells it (a byte-level token spells one
+        # character per byte): no token stands for more text than this, so a text longer than
+        # the context times this cannot fit the context, and is refused without encoding it.
+        self.max_token_chars: int = max(
+            (len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1
+        )
         self._template: jinja2.Template | None = (
             None if chat_template is None else _compile_chat_template(chat_template)
         )

@@ -26,6 +26,8 @@ class TokenizerLike(Protocol):
     """What the gateway needs of a tokenizer (contracts.tokenizer.Tokenizer; tests fake it)."""
 
     vocab_size: int
+    max_token_chars: int
+    """The most characters of text one token stands for."""
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -51,6 +51,7 @@ from services.admission.validation import (
     RequestLimits,
     check_envelope,
     checked_sampling,
+    prompt_chars,
     prompt_token_ids,
 )
 
@@ -63,6 +64,8 @@ DEADLINE_MARGIN_FRACTION = 0.2
 """Share of the caller's time kept back, up to DEADLINE_MARGIN_S."""
 INLINE_TOKENIZE_CHARS = 4096
 """Longer prompts are tokenized on a thread so they do not stall other requests."""
+TOKENIZING_PER_TENANT = 2
+"""Most long prompts of one tenant tokenized (or chat-rendered) at once; the rest wait."""
 
 _PROTO_PRIORITY = {
     PriorityClass.INTERACTIVE: common_pb2.PRIORITY_INTERACTIVE,
@@ -125,6 +128,14 @@ class Gateway:
         self.limits = limits
         self.idempotency = idempotency
         self._background: set[asyncio.Task[None]] = set()
+        self._tokenizing: dict[str, asyncio.Semaphore] = {}
+
+    def _tokenizing_slot(self, tenant: str) -> asyncio.Semaphore:
+        """The bound on one tenant's long prompts tokenized at once."""
+        slot = self._tokenizing.get(tenant)
+        if slot is None:
+            slot = self._tokenizing[tenant] = asyncio.Semaphore(TOKENIZING_PER_TENANT)
+        return slot
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]]) -> Tenant:
         return authenticate(self.tenants, metadata)
@@ -173,8 +184,13 @@ class Gateway:
         priority = envelope.priority if envelope.priority is not None else tenant.highest_priority
         authorize_priority(tenant, priority)
         tokenizer = await self.catalog.tokenizer(model)
-        if _prompt_chars(request.prompt) > INLINE_TOKENIZE_CHARS:
-            prompt_ids = await asyncio.to_thread(prompt_token_ids, request.prompt, tokenizer, model)
+        if prompt_chars(request.prompt) > INLINE_TOKENIZE_CHARS:
+            # Off the event loop, and at most TOKENIZING_PER_TENANT of a tenant's at once: a
+            # stream of long prompts holds a few threads, not the gateway.
+            async with self._tokenizing_slot(tenant.name):
+                prompt_ids = await asyncio.to_thread(
+                    prompt_token_ids, request.prompt, tokenizer, model
+                )
         else:
             prompt_ids = prompt_token_ids(request.prompt, tokenizer, model)
         sampling = checked_sampling(
@@ -519,12 +535,6 @@ class Gateway:
         """Waits for background bookkeeping (budget settles of aborted requests)."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
-
-
-def _prompt_chars(prompt: common_pb2.Prompt) -> int:
-    if prompt.WhichOneof("input") == "text":
-        return len(prompt.text)
-    return sum(len(m.content) for m in prompt.chat.messages)
 
 
 def _stop_at(arrived: float, time_remaining_s: float | None) -> float | None:

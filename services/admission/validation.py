@@ -87,6 +87,7 @@ def prompt_token_ids(
     kind = prompt.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("prompt", "missing: set text, chat or token_ids")
+    _check_prompt_size(prompt, tokenizer, model)
     if kind == "text":
         if not prompt.text:
             raise InvalidArgument("prompt.text", "empty prompt")
@@ -122,6 +123,31 @@ def prompt_token_ids(
             f"{model.context_length} tokens of prompt and output together",
         )
     return ids
+
+
+def prompt_chars(prompt: common_pb2.Prompt) -> int:
+    """Characters of a text or chat prompt's text (0 for token ids)."""
+    if prompt.WhichOneof("input") == "text":
+        return len(prompt.text)
+    if prompt.WhichOneof("input") == "chat":
+        return sum(len(m.content) for m in prompt.chat.messages)
+    return 0
+
+
+def _check_prompt_size(
+    prompt: common_pb2.Prompt, tokenizer: TokenizerLike, model: ModelSpec
+) -> None:
+    """Refuses, before any tokenizing, a text too long for the context whatever its tokens:
+    more characters than the context times the longest token's (a chat template only adds)."""
+    chars = prompt_chars(prompt)
+    most = model.context_length * tokenizer.max_token_chars
+    if chars > most:
+        raise InvalidArgument(
+            "prompt",
+            f"the prompt is {chars} characters; model {model.id!r} takes at most "
+            f"{model.context_length} tokens of at most {tokenizer.max_token_chars} characters "
+            f"each ({most} characters)",
+        )
 
 
 def _chat_messages(chat: common_pb2.ChatMessages) -> list[dict[str, str]]:

@@ -845,3 +845,32 @@ async def test_sdk_constraints_give_answers_that_parse_and_are_cached_by_constra
     assert re.fullmatch("[A-Z]{3}-[0-9]{2}", regex.text) and not regex.usage.response_cache_hit
     assert choice.text in ("yes", "no", "maybe") and choice.finish_reason == "stop"
     assert (await worker_stats(mesh)).kv_blocks_free == KV_BLOCKS
+
+
+def rss_mb(service: ServiceProcess) -> float:
+    """The resident memory of a service's process, in MiB."""
+    for line in Path(f"/proc/{service.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS line")
+
+
+async def test_oversized_prompts_are_refused_before_any_work(mesh: Mesh) -> None:
+    """Six 7.9 MB prompts (issue 15.4: gateway memory 1.1 -> 4.1 GB, a normal request waited
+    20 s) are refused by their length, untokenized, while another tenant's request runs."""
+    before = rss_mb(mesh.gateway)
+    huge = "lorem ipsum " * (7_900_000 // 12)
+    async with mesh.client("alice") as alice, mesh.client("bob") as bob:
+
+        async def refused() -> float:
+            started = time.perf_counter()
+            with pytest.raises(InvalidArgument, match="characters"):
+                await alice.generate(huge, max_tokens=4)
+            return time.perf_counter() - started
+
+        normal = asyncio.ensure_future(bob.generate(unique("a normal request"), max_tokens=8))
+        waits = [await refused() for _ in range(6)]
+        result = await normal
+    assert max(waits) < 1.0, waits
+    assert result.usage.completion_tokens > 0
+    assert rss_mb(mesh.gateway) - before < 100

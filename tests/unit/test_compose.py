@@ -262,3 +262,14 @@ def test_dashboard_queries_metrics_the_services_export() -> None:
         "kvmesh:requests_shed",
         "kvmesh:tenant_cost_usd",
     }
+
+
+def test_only_the_front_doors_and_dashboards_are_published_and_on_loopback(
+    compose: dict[str, Any],
+) -> None:
+    """Internal gRPC and metrics ports stay on the compose network (expose, never ports);
+    what is published binds the host's 127.0.0.1 only (issue 15.4)."""
+    published = {name: spec["ports"] for name, spec in compose.items() if spec.get("ports")}
+    assert set(published) == {"gateway", "openai", "jaeger", "prometheus", "grafana"}
+    for name, ports in published.items():
+        assert all(str(port).startswith("127.0.0.1:") for port in ports), name

@@ -12,6 +12,7 @@ class WordTokenizer:
     """Token i decodes to "w{i} "."""
 
     vocab_size = 1000
+    max_token_chars = 5
 
     def encode(self, text: str) -> list[int]:
         return [int(w[1:]) for w in text.split()]

@@ -23,6 +23,7 @@ class CharTokenizer:
     """One token per character (code point mod vocab); chat = role + content."""
 
     vocab_size = 1000
+    max_token_chars = 1
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) % self.vocab_size for c in text]
@@ -184,3 +185,47 @@ def test_envelope() -> None:
     ]
     for request, field in bad:
         assert field_of(check_envelope, request) == field
+
+
+class RefusingTokenizer(CharTokenizer):
+    """Fails the test if asked to tokenize: the size check must come first."""
+
+    max_token_chars = 4
+
+    def encode(self, text: str) -> list[int]:
+        raise AssertionError("tokenized a prompt that cannot fit the context")
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        raise AssertionError("rendered a chat that cannot fit the context")
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        text("x" * (64 * 4 + 1)),
+        text("x" * 7_900_000),
+        common_pb2.Prompt(
+            chat=common_pb2.ChatMessages(
+                messages=[common_pb2.ChatMessage(role="user", content="x" * 200)] * 2
+            )
+        ),
+    ],
+    ids=["just-over", "7.9MB", "chat"],
+)
+def test_a_prompt_longer_than_the_context_could_hold_is_refused_untokenized(
+    prompt: common_pb2.Prompt,
+) -> None:
+    # 64 tokens of at most 4 characters: 256 characters at most.
+    with pytest.raises(InvalidArgument, match="256 characters") as raised:
+        prompt_token_ids(prompt, RefusingTokenizer(), MODEL)
+    assert raised.value.field == "prompt"
+
+
+def test_a_prompt_within_the_bound_is_tokenized() -> None:
+    # At the bound (64 tokens of 1 character) the text may still fit: it is tokenized, then
+    # judged by its tokens.
+    with pytest.raises(InvalidArgument, match="the prompt is 64 tokens"):
+        prompt_token_ids(text("x" * 64), CharTokenizer(), MODEL)
+    assert prompt_token_ids(text("x" * 20), CharTokenizer(), MODEL) == [ord("x")] * 20

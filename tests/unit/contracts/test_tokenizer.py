@@ -113,3 +113,20 @@ def test_gguf_tokenizer_loads_without_torch(smollm2_gguf_path: Path) -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize(
+    "text",
+    [MULTIBYTE_TEXT, "the quick brown fox " * 50, "a" * 5000, " " * 3000, "\n\n" + "🦄" * 300],
+    ids=["multibyte", "words", "one-letter", "spaces", "emoji"],
+)
+def test_no_token_stands_for_more_text_than_max_token_chars(
+    tiny_tokenizer: Tokenizer, text: str
+) -> None:
+    """What lets the gateway refuse a prompt by its length, without tokenizing it."""
+    ids = tiny_tokenizer.encode(text)
+    assert len(text) <= len(ids) * tiny_tokenizer.max_token_chars
+    assert all(
+        len(tiny_tokenizer.decode([i], skip_special_tokens=False)) <= tiny_tokenizer.max_token_chars
+        for i in set(ids)
+    )
