@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from kvmesh.contracts.constraints import checked_constraint
 from kvmesh.errors import InvalidArgument
 from kvmesh.request_limits import check_inference_request
 from kvmesh.streams import CancelWatch, Coalescer, first_message
@@ -56,7 +57,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if first.WhichOneof("message") != "request":
             raise InvalidArgument("request", "the first message must be the request")
         request = first.request
-        check_inference_request(request)  # a caller may have skipped the gateway's checks
+        # A caller may have skipped the gateway's checks.
+        check_inference_request(request)
+        checked_constraint(request.sampling)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         watch = CancelWatch(request_iterator, _cancel_reason, request.request_id)

@@ -354,6 +354,10 @@ async def test_bad_requests_are_rejected(mesh: Mesh) -> None:
         (request("stops", LONG, many_stops, model="tiny"), "sampling.stop"),
         (request("labels", LONG, model="tiny", labels=many_labels), "labels"),
         (request("x" * 1000, LONG, model="tiny"), "request_id"),
+        (
+            request("regex", LONG, common_pb2.SamplingParams(regex="a" * 70_000), model="tiny"),
+            "sampling.regex",
+        ),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await route(mesh.stub, bad)
