@@ -118,7 +118,8 @@ class GenerationResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One per token when the request asked for logprobs."""
     queue_ms: float = 0.0
-    ttft_ms: float = 0.0
+    ttft_ms: float | None = None
+    """None when no token was produced."""
     e2e_ms: float = 0.0
     placement_reason: str = ""
     error_message: str = ""
@@ -428,7 +429,7 @@ class GenerationStream:
             fallback=started.placement.fallback,
             logprobs=list(progress.logprobs),
             queue_ms=finished.timings.queue_ms,
-            ttft_ms=finished.timings.ttft_ms,
+            ttft_ms=finished.timings.ttft_ms if finished.timings.HasField("ttft_ms") else None,
             e2e_ms=finished.timings.e2e_ms,
             placement_reason=started.placement.reason,
             error_message=finished.error_message,

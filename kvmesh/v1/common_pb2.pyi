@@ -555,7 +555,7 @@ class Timings(_message.Message):
     queue_ms: _builtins.float
     """Waiting in the admission queue."""
     ttft_ms: _builtins.float
-    """From arrival to the first token."""
+    """From arrival to the first token; unset when no token was produced."""
     e2e_ms: _builtins.float
     """From arrival to the end."""
     kv_transfer_ms: _builtins.float
@@ -564,15 +564,17 @@ class Timings(_message.Message):
         self,
         *,
         queue_ms: _builtins.float = ...,
-        ttft_ms: _builtins.float = ...,
+        ttft_ms: _builtins.float | None = ...,
         e2e_ms: _builtins.float = ...,
         kv_transfer_ms: _builtins.float = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ttft_ms", b"_ttft_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["e2e_ms", b"e2e_ms", "kv_transfer_ms", b"kv_transfer_ms", "queue_ms", b"queue_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ttft_ms", b"_ttft_ms", "e2e_ms", b"e2e_ms", "kv_transfer_ms", b"kv_transfer_ms", "queue_ms", b"queue_ms", "ttft_ms", b"ttft_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__ttft_ms: _TypeAlias = _typing.Literal["ttft_ms"]  # noqa: Y015
+    _WhichOneofArgType__ttft_ms: _TypeAlias = _typing.Literal["_ttft_ms", b"_ttft_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttft_ms) -> _WhichOneofReturnType__ttft_ms | None: ...
 
 Global___Timings: _TypeAlias = Timings  # noqa: Y015
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvmesh.timings import request_timings
 from kvmesh.v1 import cache_pb2, common_pb2
 from services.admission.catalog import TokenizerLike
 from services.admission.pricing import TokenCounts
@@ -85,13 +86,8 @@ class Transcript:
         )
 
     def timings(self, kv_transfer_ms: float) -> common_pb2.Timings:
-        now = time.monotonic()
-        first = self.first_token_at if self.first_token_at is not None else now
-        return common_pb2.Timings(
-            queue_ms=self.queue_s * 1000.0,
-            ttft_ms=(first - self.arrived) * 1000.0,
-            e2e_ms=(now - self.arrived) * 1000.0,
-            kv_transfer_ms=kv_transfer_ms,
+        return request_timings(
+            self.arrived, self.first_token_at, queue_s=self.queue_s, kv_transfer_ms=kv_transfer_ms
         )
 
     @property

@@ -7,11 +7,11 @@ cancelled or the deadline passed mid-stream.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from opentelemetry import trace
 
+from kvmesh.timings import request_timings
 from kvmesh.v1 import common_pb2
 from services.router.placement import Plan
 
@@ -82,12 +82,7 @@ def record_placement(span: trace.Span, plan: Plan, attempts: int) -> None:
 def _timings(
     arrived: float, first_token_at: float | None, kv_transfer_ms: float = 0.0
 ) -> common_pb2.Timings:
-    now = time.monotonic()
-    return common_pb2.Timings(
-        ttft_ms=0.0 if first_token_at is None else (first_token_at - arrived) * 1000,
-        e2e_ms=(now - arrived) * 1000,
-        kv_transfer_ms=kv_transfer_ms,
-    )
+    return request_timings(arrived, first_token_at, kv_transfer_ms=kv_transfer_ms)
 
 
 def finished(

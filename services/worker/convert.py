@@ -112,9 +112,7 @@ def finished(
     last: RequestOutput,
     *,
     cached_prompt_tokens: int | None = None,
-    kv_transfer_ms: float = 0.0,
-    ttft_ms: float = 0.0,
-    e2e_ms: float = 0.0,
+    timings: common_pb2.Timings | None = None,
 ) -> common_pb2.Finished:
     """The Finished event of a request from its last output."""
     reason = last.finish_reason or FinishReason.ABORT
@@ -127,7 +125,7 @@ def finished(
             else cached_prompt_tokens,
             completion_tokens=last.num_output_tokens,
         ),
-        timings=common_pb2.Timings(ttft_ms=ttft_ms, e2e_ms=e2e_ms, kv_transfer_ms=kv_transfer_ms),
+        timings=timings,
         error_message=last.error or "",
     )
 

@@ -40,6 +40,7 @@ from kvmesh.mesh_auth import caller_of
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.streams import CancelWatch, Coalescer, first_message, run_unless_cancelled
 from kvmesh.telemetry import tracer
+from kvmesh.timings import request_timings
 from kvmesh.tls import TlsFiles
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from services.worker import metrics
@@ -92,8 +93,10 @@ class _StreamState:
     first_token_at: float | None = None
     last_sent_at: float | None = None
 
+    def timings(self, kv_transfer_ms: float = 0.0) -> common_pb2.Timings:
+        return request_timings(self.started, self.first_token_at, kv_transfer_ms=kv_transfer_ms)
+
     def aborted(self, kv_transfer_ms: float = 0.0) -> common_pb2.Finished:
-        now = time.monotonic()
         return common_pb2.Finished(
             finish_reason=common_pb2.FINISH_REASON_ABORT,
             usage=common_pb2.Usage(
@@ -101,16 +104,8 @@ class _StreamState:
                 cached_prompt_tokens=self.cached_prompt_tokens,
                 completion_tokens=self.output_tokens,
             ),
-            timings=common_pb2.Timings(
-                ttft_ms=self.ttft_ms,
-                e2e_ms=(now - self.started) * 1000,
-                kv_transfer_ms=kv_transfer_ms,
-            ),
+            timings=self.timings(kv_transfer_ms),
         )
-
-    @property
-    def ttft_ms(self) -> float:
-        return 0.0 if self.first_token_at is None else (self.first_token_at - self.started) * 1000
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -184,9 +179,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             first_token=token_chunk([output]),
             cached_prompt_tokens=output.num_cached_prompt_tokens,
         )
-        if handle is None:
-            elapsed_ms = (time.monotonic() - started) * 1000
-            response.finished.CopyFrom(finished(output, ttft_ms=elapsed_ms, e2e_ms=elapsed_ms))
+        if handle is None:  # ended with the prompt: its first token, if any, is all there is
+            first_token_at = time.monotonic() if output.new_token_ids else None
+            timings = request_timings(started, first_token_at)
+            response.finished.CopyFrom(finished(output, timings=timings))
             self._count_finished("Prefill", output.finish_reason)
             return response
         ttl_s = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
@@ -312,12 +308,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     state.finished = True
                     self._count_finished(rpc, last.finish_reason)
                     yield common_pb2.GenerateEvent(
-                        finished=finished(
-                            last,
-                            kv_transfer_ms=kv_transfer_ms,
-                            ttft_ms=state.ttft_ms,
-                            e2e_ms=(time.monotonic() - state.started) * 1000,
-                        )
+                        finished=finished(last, timings=state.timings(kv_transfer_ms))
                     )
                     return
         finally:

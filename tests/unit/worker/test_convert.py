@@ -85,7 +85,7 @@ def test_token_chunk_joins_outputs() -> None:
 def test_finished_carries_usage_and_error() -> None:
     last = _output([], "", FinishReason.ERROR)
     last.error = "boom"
-    event = finished(last, kv_transfer_ms=3.0)
+    event = finished(last, timings=common_pb2.Timings(kv_transfer_ms=3.0))
     assert event.finish_reason == common_pb2.FINISH_REASON_ERROR
     assert event.error_message == "boom"
     assert (event.usage.prompt_tokens, event.usage.cached_prompt_tokens) == (4, 2)
