@@ -92,6 +92,12 @@ class NotFound(KvmeshError):
     status = "NOT_FOUND"
 
 
+class AlreadyExists(KvmeshError):
+    """Something the request would create exists already (a request id in use)."""
+
+    status = "ALREADY_EXISTS"
+
+
 class FailedPrecondition(KvmeshError):
     """The request is valid but the system is not in a state to run it (layout mismatch)."""
 
@@ -131,6 +137,7 @@ ERRORS_BY_STATUS: dict[str, type[KvmeshError]] = {
         DeadlineExceeded,
         Unavailable,
         NotFound,
+        AlreadyExists,
         FailedPrecondition,
         DataLoss,
         Cancelled,

@@ -659,7 +659,7 @@ class InferenceRequest(_message.Message):
     TENANT_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Unique id of the request, shared by every hop."""
+    """Unique id of the request, shared by every hop: the gateway sends TENANT/CLIENT_ID; a router or worker refuses a second request under an id in use with ALREADY_EXISTS."""
     model: _builtins.str
     """Model tier to run on."""
     priority: Global___Priority.ValueType

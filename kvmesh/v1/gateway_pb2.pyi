@@ -57,7 +57,7 @@ class GenerateRequest(_message.Message):
     CACHE_POLICY_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Client-chosen id; the gateway assigns one when empty."""
+    """Client-chosen id, unique among the tenant's requests in flight (a second one under an id in flight is refused with ALREADY_EXISTS); the gateway assigns one when empty. Other tenants' ids never collide with it."""
     idempotency_key: _builtins.str
     """Repeating a key within its retention window returns the first request's result instead of generating again."""
     model: _builtins.str

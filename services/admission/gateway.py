@@ -20,6 +20,7 @@ from opentelemetry import trace
 
 from kvmesh.contracts.sampling import AUTO_MODEL, is_deterministic
 from kvmesh.errors import (
+    AlreadyExists,
     DeadlineExceeded,
     KvmeshError,
     NotFound,
@@ -129,6 +130,8 @@ class Gateway:
         self.idempotency = idempotency
         self._background: set[asyncio.Task[None]] = set()
         self._tokenizing: dict[str, asyncio.Semaphore] = {}
+        self._request_ids: set[tuple[str, str]] = set()
+        """(tenant, client request id) of the requests in flight here."""
 
     def _tokenizing_slot(self, tenant: str) -> asyncio.Semaphore:
         """The bound on one tenant's long prompts tokenized at once."""
@@ -161,9 +164,16 @@ class Gateway:
                     yield event
                 return
             claim = claimed
+        key = (tenant.name, job.request_id)
         try:
-            async for event in self._admit_and_run(job, transcript, cancelled):
-                yield event
+            if key in self._request_ids:
+                raise AlreadyExists(f"request id {job.request_id!r} is already in flight")
+            self._request_ids.add(key)
+            try:
+                async for event in self._admit_and_run(job, transcript, cancelled):
+                    yield event
+            finally:
+                self._request_ids.discard(key)
         finally:
             if claim is not None:
                 if transcript.is_complete_answer():
@@ -436,7 +446,7 @@ class Gateway:
 
     def _inference_request(self, job: Job) -> common_pb2.InferenceRequest:
         return common_pb2.InferenceRequest(
-            request_id=job.request_id,
+            request_id=mesh_request_id(job.tenant.name, job.request_id),
             model=job.model.id,
             prompt_token_ids=job.prompt_ids,
             sampling=job.sampling,
@@ -535,6 +545,12 @@ class Gateway:
         """Waits for background bookkeeping (budget settles of aborted requests)."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def mesh_request_id(tenant: str, request_id: str) -> str:
+    """The id the mesh knows a request by: the client's id within its tenant's namespace, so
+    two tenants' ids never collide (tenant names hold no '/')."""
+    return f"{tenant}/{request_id}"
 
 
 def _stop_at(arrived: float, time_remaining_s: float | None) -> float | None:

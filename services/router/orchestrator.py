@@ -35,6 +35,7 @@ from opentelemetry import trace
 
 from kvmesh.contracts.sampling import AUTO_MODEL
 from kvmesh.errors import (
+    AlreadyExists,
     Cancelled,
     DeadlineExceeded,
     InvalidArgument,
@@ -110,6 +111,8 @@ class Orchestrator:
     lease_ttl_ms: int = 0
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _policies: dict[str, PlacementPolicy] = field(init=False)
+    _request_ids: set[str] = field(default_factory=set)
+    """Ids of the requests running: a second one under an id in use is refused."""
 
     def __post_init__(self) -> None:
         self._policies = {
@@ -153,7 +156,22 @@ class Orchestrator:
         if not request.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids", "must not be empty")
         request_id = request.request_id or uuid.uuid4().hex
+        if request_id in self._request_ids:
+            # Refused before anything runs: the one holding the id is left alone.
+            raise AlreadyExists(f"request id {request_id!r} is already in use on this router")
         job = _Job(request, request_id, deadline, cancelled, live, self.choose_tier(request))
+        self._request_ids.add(request_id)
+        try:
+            async for event in self._attempts(job, arrived, span):
+                yield event
+        finally:
+            self._request_ids.discard(request_id)
+
+    async def _attempts(
+        self, job: _Job, arrived: float, span: trace.Span
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        """Attempts of the job until one streams its answer (or the caller cancels)."""
+        request, request_id, cancelled = job.request, job.request_id, job.cancelled
         while True:
             attempt, events = self._start(job, self._next_plan(job))
             try:

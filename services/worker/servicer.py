@@ -26,12 +26,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from kvmesh.contracts.constraints import ConstraintError
 from kvmesh.errors import (
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -62,6 +63,8 @@ if TYPE_CHECKING:
     from services.worker.engine.api import EngineBackend
 
 log = logging.getLogger(__name__)
+
+Holder = TypeVar("Holder")
 _tracer = tracer(__name__)
 
 _ROLES = {
@@ -137,6 +140,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             send_max_bytes_s=config.kv_send_max_mb_s * 1e6,
         )
         self.importer = KvImporter(engine, self.layout, address, keys, self._spawn, tls)
+        self._request_ids: dict[str, object] = {}
+        """Request id -> the call running it: a second call under an id in use is refused
+        before it can touch the first (its cleanup would abort the engine request by id)."""
 
     # ---- colocated ------------------------------------------------------------------------
 
@@ -171,9 +177,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._require(self.config.serves_prefill, "Prefill", "prefill or colocated")
         engine_req = engine_request(request.request, context.time_remaining())
         started = time.monotonic()
-        # If this RPC is cancelled meanwhile, the engine aborts the prefill and frees its blocks.
-        with _engine_errors():
-            output, handle = await self.engine.prefill_and_hold(engine_req)
+        claim = self._claim_id(engine_req.request_id, object())
+        try:
+            # If this RPC is cancelled meanwhile, the engine aborts the prefill and frees its
+            # blocks.
+            with _engine_errors():
+                output, handle = await self.engine.prefill_and_hold(engine_req)
+        finally:
+            self._free_id(engine_req.request_id, claim)
         metrics.REQUEST_PREFILL_SECONDS.labels("Prefill").observe(time.monotonic() - started)
         response = worker_pb2.PrefillResponse(
             first_token=token_chunk([output]),
@@ -321,9 +332,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         gRPC may drop a handler whose client went away without resuming it, so the cleanup is
         tied to the end of the RPC as well as to the handler's own exit.
         """
-        state = _StreamState(request.request_id, len(request.prompt_token_ids))
+        state = self._claim_id(
+            request.request_id, _StreamState(request.request_id, len(request.prompt_token_ids))
+        )
         context.add_done_callback(lambda _: self._spawn(self._stop(state)))
         return state
+
+    def _claim_id(self, request_id: str, holder: Holder) -> Holder:
+        """Holds `request_id` for `holder`, one call (AlreadyExists while another holds it)."""
+        if request_id in self._request_ids:
+            raise AlreadyExists(f"request id {request_id!r} is already in use on this worker")
+        self._request_ids[request_id] = holder
+        return holder
+
+    def _free_id(self, request_id: str, holder: object) -> None:
+        if self._request_ids.get(request_id) is holder:
+            del self._request_ids[request_id]
 
     async def _stop(self, state: _StreamState) -> None:
         """Aborts a request that did not finish; frees an import that was never committed.
@@ -331,13 +355,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         Engine commands run in order, so the abort follows any commit still queued; the
         cancel_import then fails harmlessly when the commit did run. Safe to repeat.
         """
-        if state.finished:
-            return
-        state.finished = True
-        await self.engine.abort(state.request_id)
-        if state.import_plan is not None:
-            with contextlib.suppress(KeyError):
-                await self.engine.cancel_import(state.import_plan)
+        if not state.finished:
+            state.finished = True
+            await self.engine.abort(state.request_id)
+            if state.import_plan is not None:
+                with contextlib.suppress(KeyError):
+                    await self.engine.cancel_import(state.import_plan)
+        # Free for another call only once the abort is done: it names the request by id.
+        self._free_id(state.request_id, state)
 
     @staticmethod
     def _observe_chunk(rpc: str, state: _StreamState, num_tokens: int) -> None:

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 import kvmesh
 from kvmesh.cli import main as cli_main
 from kvmesh.errors import (
+    AlreadyExists,
     InvalidArgument,
     KvmeshError,
     PermissionDenied,
@@ -273,6 +274,25 @@ async def test_max_concurrent_requests_per_tenant_is_shared_by_two_gateways(mesh
                 assert time.monotonic() < deadline, "the cancelled stream kept its slot"
                 await asyncio.sleep(min(error.retry_after_s or 0.1, 0.1))
         assert result.finish_reason in ("stop", "length")
+
+
+async def test_request_ids_are_per_tenant_and_a_duplicate_leaves_the_first_intact(
+    mesh: Mesh,
+) -> None:
+    """Two tenants under one client id both run to the end; the same tenant's second request
+    under an id in flight is refused with ALREADY_EXISTS and the first still runs to the end."""
+    options: dict[str, Any] = {"max_tokens": 60, "ignore_eos": True, "cache_policy": "bypass"}
+    async with mesh.client("alice") as alice, mesh.client("bob") as bob:
+        first = alice.stream(LONG_PROMPT, request_id="shared-id", **{**options, "max_tokens": 480})
+        await anext(first)
+        other = await bob.generate(LONG_PROMPT, request_id="shared-id", **options)
+        assert other.finish_reason == "length" and len(other.token_ids) == 60
+        with pytest.raises(AlreadyExists, match="shared-id"):
+            await alice.generate(LONG_PROMPT, request_id="shared-id", **options)
+        async for _ in first:
+            pass
+        assert first.result.finish_reason == "length" and len(first.result.token_ids) == 480
+        assert first.result.request_id == "shared-id"
 
 
 # --- response cache --------------------------------------------------------------------------

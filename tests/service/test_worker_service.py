@@ -295,3 +295,37 @@ async def test_hand_off_completes_while_the_prefill_engine_is_mid_step(
     assert split.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
     await trio.prefill.stub.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=busy.lease.lease_id))
     assert await all_idle(trio.stubs)
+
+
+async def test_a_duplicate_request_id_is_refused_and_leaves_the_first_intact(trio: Trio) -> None:
+    """A second request under an id in use gets ALREADY_EXISTS; the first runs to the end
+    (colocated, and split: a duplicate Prefill and a duplicate Decode)."""
+    prompt = PROMPTS[0]
+    first = trio.both.stub.Generate(timeout=30)
+    await first.write(worker_pb2.WorkerGenerateMessage(request=request("dup", prompt, LONG)))
+    await _first_chunk(first)
+    duplicate = trio.both.stub.Generate(timeout=30)
+    await duplicate.write(worker_pb2.WorkerGenerateMessage(request=request("dup", prompt)))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect(duplicate)
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    rest = await collect(first)
+    assert rest.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert rest.finished.usage.completion_tokens == LONG.max_tokens
+
+    req = request("dup-split", prompt, LONG)
+    prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    decoding = trio.decode.stub.Decode(timeout=30)
+    await decoding.write(decode_start(req, prefilled))
+    await _first_chunk(decoding)
+    again = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    duplicate_decode = trio.decode.stub.Decode(timeout=30)
+    await duplicate_decode.write(decode_start(req, again))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await collect(duplicate_decode)
+    assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    rest = await collect(decoding)
+    assert rest.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert rest.finished.usage.completion_tokens == LONG.max_tokens
+    await trio.prefill.stub.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=again.lease.lease_id))
+    assert await all_idle(trio.stubs)
