@@ -314,11 +314,11 @@ async def test_a_duplicate_request_id_is_refused_and_leaves_the_first_intact(tri
     assert rest.finished.usage.completion_tokens == LONG.max_tokens
 
     req = request("dup-split", prompt, LONG)
-    prefilled = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    prefilled = await trio.prefill.stub.Prefill(prefill_request(req, trio.decode))
     decoding = trio.decode.stub.Decode(timeout=30)
     await decoding.write(decode_start(req, prefilled))
     await _first_chunk(decoding)
-    again = await trio.prefill.stub.Prefill(worker_pb2.PrefillRequest(request=req))
+    again = await trio.prefill.stub.Prefill(prefill_request(req, trio.decode))
     duplicate_decode = trio.decode.stub.Decode(timeout=30)
     await duplicate_decode.write(decode_start(req, again))
     with pytest.raises(grpc.aio.AioRpcError) as refused:
