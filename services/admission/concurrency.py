@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,7 +21,7 @@ from typing import Protocol
 from redis.asyncio import Redis
 
 from services.admission import metrics
-from services.admission.failover import Failover, StoreDown, redis_calls
+from services.admission.failover import RETRY_S, Failover, StoreDown, redis_calls
 
 log = logging.getLogger(__name__)
 
@@ -175,10 +176,19 @@ class Slot:
 
 
 class ConcurrencyLimits:
-    """Takes and gives back tenants' slots; counts locally while the shared store is down."""
+    """Takes and gives back tenants' slots; counts locally while the shared store is down.
 
-    def __init__(self, store: SlotStore, fallback: MemorySlots | None = None) -> None:
+    A release the store could not take is retried every RETRY_S until it lands or the slot's
+    lease has ended on its own: a tenant is not throttled for a whole lease after an outage."""
+
+    def __init__(
+        self, store: SlotStore, fallback: MemorySlots | None = None, lease_s: float = 30.0
+    ) -> None:
         self._stores = Failover[SlotStore](store, fallback, role="concurrency")
+        self._lease_s = lease_s
+        self._unreleased: dict[Slot, float] = {}
+        """Slots whose release failed -> when their lease ends anyway (time.monotonic)."""
+        self._retrier: asyncio.Task[None] | None = None
 
     async def acquire(self, tenant: str, limit: int) -> Slot | None:
         """A slot, or None when the tenant already has `limit` requests in flight."""
@@ -190,11 +200,31 @@ class ConcurrencyLimits:
         return Slot(tenant, holder, store) if taken else None
 
     async def release(self, slot: Slot) -> None:
-        """Gives the slot back; if the store is unreachable its lease ends on its own."""
+        """Gives the slot back; if the store is unreachable, retried until it lands."""
         try:
             await slot.store.release(slot.tenant, slot.holder)
         except StoreDown as error:
-            metrics.BACKEND_ERRORS.labels("concurrency").inc()
-            log.warning(
-                "could not release a slot of %s in %s: %s", slot.tenant, slot.store.name, error
-            )
+            self._stores.failed(error)
+            self._unreleased[slot] = time.monotonic() + self._lease_s
+            if self._retrier is None or self._retrier.done():
+                self._retrier = asyncio.ensure_future(self._retry_releases())
+
+    async def _retry_releases(self) -> None:
+        while self._unreleased:
+            await asyncio.sleep(RETRY_S)
+            for slot, lease_ends in list(self._unreleased.items()):
+                if time.monotonic() >= lease_ends:
+                    del self._unreleased[slot]  # ended on its own meanwhile
+                    continue
+                try:
+                    await slot.store.release(slot.tenant, slot.holder)
+                except StoreDown:
+                    break  # still down: the next round tries again
+                del self._unreleased[slot]
+                log.info("released a slot of %s that an outage had kept", slot.tenant)
+
+    async def close(self) -> None:
+        """Stops retrying releases (their leases end on their own)."""
+        if self._retrier is not None:
+            self._retrier.cancel()
+            await asyncio.gather(self._retrier, return_exceptions=True)

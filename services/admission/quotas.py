@@ -119,6 +119,23 @@ class MemoryCounters:
     async def read(self, tenant: str, windows: Sequence[Window]) -> list[int]:
         return [self._get(tenant, w) for w in windows]
 
+    def merge(self, tenant: str, window: Window, tokens: int) -> None:
+        """Adds tokens to a window's count unchecked (a merge that must wait)."""
+        index, used = self._counts.get((tenant, window.kind), (window.index, 0))
+        if index == window.index:  # a window that has passed meanwhile counts no more
+            self._counts[(tenant, window.kind)] = (index, used + tokens)
+
+    def drain(self) -> list[tuple[str, Window, int]]:
+        """Every count kept here as (tenant, window, tokens), forgotten here."""
+        lengths = {"minute": MINUTE_S, "day": DAY_S}
+        counts = [
+            (tenant, Window(kind, index, lengths[kind], 0), used)
+            for (tenant, kind), (index, used) in self._counts.items()
+            if used
+        ]
+        self._counts.clear()
+        return counts
+
 
 # KEYS: one counter per window. ARGV: amount, then (limit, ttl) per window.
 _TRY_ADD = """
@@ -178,6 +195,13 @@ class RedisCounters:
             broken, used = await self._try_add(keys=keys, args=args)
         return Rejection(windows[int(broken) - 1], int(used)) if int(broken) else None
 
+    async def add(self, tenant: str, window: Window, amount: int) -> None:
+        """Adds `amount` unchecked (creating the counter): counts made elsewhere, merged in."""
+        with redis_calls():
+            await self._try_add(
+                keys=[self._key(tenant, window)], args=[amount, 0, window.length_s + MINUTE_S]
+            )
+
     async def adjust(self, tenant: str, windows: Sequence[Window], delta: int) -> None:
         with redis_calls():
             await self._adjust(keys=[self._key(tenant, w) for w in windows], args=[delta])
@@ -208,8 +232,34 @@ class Quotas:
         fallback: MemoryCounters | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._stores = Failover[CounterStore](store, fallback, role="quotas")
+        self._store = store
+        self._fallback = fallback
+        self._stores = Failover[CounterStore](
+            store, fallback, role="quotas", on_recovery=self._merge_local
+        )
         self._clock = clock
+        self._local: dict[int, Reservation] = {}
+        """Reservations counted in the fallback and not settled yet, by id()."""
+
+    async def _merge_local(self) -> None:
+        """The store answers again: what was counted locally meanwhile is added to it (a
+        Redis that came back empty then still holds the outage's usage), and reservations
+        made meanwhile settle against it."""
+        if self._fallback is None or not isinstance(self._store, RedisCounters):
+            return
+        counts = self._fallback.drain()
+        for reservation in self._local.values():
+            reservation.store = self._store
+        self._local.clear()
+        try:
+            for tenant, window, tokens in counts:
+                await self._store.add(tenant, window, tokens)
+        except StoreDown as error:
+            self._stores.failed(error)  # counted again at the next recovery: none is lost
+            for tenant, window, tokens in counts:
+                self._fallback.merge(tenant, window, tokens)
+            return
+        log.info("merged %d tokens counted during the outage", sum(c[2] for c in counts))
 
     async def reserve(self, tenant: Tenant, tokens: int) -> Reservation:
         """Holds `tokens` against the tenant's limits or raises ResourceExhausted."""
@@ -228,13 +278,17 @@ class Quotas:
         )
         if rejection is not None:
             raise _over_budget(tenant, rejection, tokens, now)
-        return Reservation(tenant.name, tokens, windows, store)
+        reservation = Reservation(tenant.name, tokens, windows, store)
+        if store is self._fallback:
+            self._local[id(reservation)] = reservation
+        return reservation
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         """Replaces the reserved amount with `used_tokens` (idempotent: only the first counts)."""
         if reservation.settled:
             return
         reservation.settled = True
+        self._local.pop(id(reservation), None)
         delta = used_tokens - reservation.tokens
         if delta == 0:
             return
@@ -242,12 +296,8 @@ class Quotas:
             await reservation.store.adjust(reservation.tenant, reservation.windows, delta)
         except StoreDown as error:
             # The reservation stays counted until its window expires: errs toward the limit.
-            log.warning(
-                "could not settle %s's budget in %s: %s",
-                reservation.tenant,
-                reservation.store.name,
-                error,
-            )
+            # Logged once per outage, with the outage.
+            self._stores.failed(error)
 
     async def release(self, reservation: Reservation) -> None:
         """Gives the whole reservation back (the request never ran)."""

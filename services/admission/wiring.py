@@ -66,10 +66,11 @@ def tenant_books(config: AdmissionConfig, hooks: list[StopHook]) -> TenantBooks:
         config.redis, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S
     )
     slots = RedisSlots(redis, config.redis_prefix, config.concurrency_lease_s)
-    hooks += [slots.close, redis.aclose]
+    limits = ConcurrencyLimits(slots, fallback=MemorySlots(), lease_s=config.concurrency_lease_s)
+    hooks += [limits.close, slots.close, redis.aclose]
     return TenantBooks(
         Quotas(RedisCounters(redis, config.redis_prefix), fallback=MemoryCounters()),
-        ConcurrencyLimits(slots, fallback=MemorySlots()),
+        limits,
         RedisMeter(redis, config.redis_prefix),
     )
 

@@ -103,4 +103,5 @@ async def test_unreachable_redis_counts_slots_locally(unreachable_redis: Redis) 
     await limits.release(slot)
     assert await limits.acquire("acme", 1) is not None
     errors = REGISTRY.get_sample_value("kvmesh:admission_backend_errors_total", labels)
-    assert (errors or 0) - (errors_before or 0) == 3
+    # One failed call: the next ones within RETRY_S go straight to the local count.
+    assert (errors or 0) - (errors_before or 0) == 1
