@@ -15,7 +15,6 @@ import asyncio
 import json
 import sys
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
@@ -30,6 +29,7 @@ from kvmesh.client import (
     GenerationResult,
 )
 from kvmesh.errors import InvalidArgument, KvmeshError
+from kvmesh.version import kvmesh_version
 
 Commands = argparse._SubParsersAction  # argparse keeps the class private
 
@@ -87,14 +87,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return code
-
-
-def kvmesh_version() -> str:
-    """The installed package's version."""
-    try:
-        return metadata.version("kvmesh")
-    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "unknown (not installed)"
 
 
 def describe_error(error: KvmeshError) -> str:

@@ -20,6 +20,7 @@ from kvmesh.mesh_keys import MeshKeys
 from kvmesh.tls import tls_of
 from kvmesh.v1 import router_pb2, router_pb2_grpc
 from services.router.config import RouterConfig
+from services.router.discovery import DnsDiscovery, DnsResolver, split_dns_entries
 from services.router.monitor import WorkerMonitor
 from services.router.orchestrator import Orchestrator
 from services.router.peers import Peers
@@ -38,12 +39,16 @@ class Router:
 
     registry: PoolRegistry
     monitor: WorkerMonitor
+    discovery: DnsDiscovery
     server: GrpcServer
 
     async def start_background(self) -> None:
-        """Checks every worker once, then starts the refresh loop (not the server)."""
+        """Resolves the DNS-named pools and checks every worker once, then starts the refresh
+        loops (not the server)."""
+        await self.discovery.refresh()
         await self.monitor.check_all()
         self.monitor.start()
+        self.discovery.start()
 
     async def start(self) -> None:
         """Starts everything, the server included (in-process use)."""
@@ -58,7 +63,8 @@ class Router:
 def build_router(config: RouterConfig) -> Router:
     """A router over the pools file the config names, not yet started."""
     config.validate()
-    registry = PoolRegistry(load_pools(config.config))
+    pools, dns_targets = split_dns_entries(load_pools(config.config))
+    registry = PoolRegistry(pools)
     keys = MeshKeys.from_file(config.mesh_secret_file)
     tls = tls_of(config)
     peers = Peers(MeshMember(MeshRole.ROUTER, ROUTER_MEMBER_NAME, keys, tls))
@@ -73,8 +79,13 @@ def build_router(config: RouterConfig) -> Router:
         registry, GrpcWorkers(peers), monitor, config.load_cost_tokens, config.lease_ttl_ms
     )
     servicer = RouterServicer(registry, orchestrator, monitor)
+    resolver = DnsResolver(config.dns_server, config.check_timeout_s)
+    discovery = DnsDiscovery(
+        registry, dns_targets, resolver, config.dns_interval_s, monitor.check_many
+    )
 
     async def close() -> None:
+        await discovery.stop()
         await monitor.stop()
         await orchestrator.close()
         await peers.close()
@@ -83,7 +94,7 @@ def build_router(config: RouterConfig) -> Router:
     server = GrpcServer(
         config, "router", [binding], on_stop=[close], guard=mesh_guard(keys, tls), tls=tls
     )
-    return Router(registry, monitor, server)
+    return Router(registry, monitor, discovery, server)
 
 
 async def _run(config: RouterConfig) -> None:

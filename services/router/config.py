@@ -35,10 +35,17 @@ class RouterConfig(ServerConfig):
     """Fraction of a worker's measured tokens/s the scaling signal plans for."""
     lease_ttl_ms: int = 0
     """KV lease TTL the router asks prefill workers for; 0 takes each worker's default."""
+    dns_interval_s: float = 2.0
+    """How often the pools file's dns:///NAME:PORT entries are resolved again (workers join
+    and leave as the name's addresses change)."""
+    dns_server: str = ""
+    """host:port of the DNS server for dns:/// entries; empty: the system's (/etc/resolv.conf)."""
 
     def validate(self) -> None:
         """Raises ValueError naming the first setting out of range."""
-        if self.refresh_interval_s <= 0 or self.check_timeout_s <= 0:
-            raise ValueError("refresh_interval_s and check_timeout_s must be positive")
+        if self.refresh_interval_s <= 0 or self.check_timeout_s <= 0 or self.dns_interval_s <= 0:
+            raise ValueError(
+                "refresh_interval_s, check_timeout_s and dns_interval_s must be positive"
+            )
         if self.load_cost_tokens < 0 or self.lease_ttl_ms < 0:
             raise ValueError("load_cost_tokens and lease_ttl_ms must be >= 0")

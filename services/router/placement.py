@@ -3,7 +3,8 @@
 - Tier: the requested one while it can serve; otherwise its fallback chain (marked fallback).
 - Prefill (and colocated) worker: the tier's placement policy (services/router/policies; by
   default prefix-affinity: the longest cached prefix of this prompt, weighed against load).
-- Decode worker: least-load (fewest requests on it, then most free KV blocks).
+- Decode worker: least-load (fewest requests on it, then most free KV blocks), among those
+  of the prefill worker's revision (model fingerprint, KV layout, kvmesh release).
 - A tier with a prefill and a decode worker in rotation runs split; otherwise colocated.
 - Workers of a failed attempt are avoided on the retry while another one is in rotation.
 
@@ -118,9 +119,9 @@ def place(
     hashes = prompt_block_hashes(prompt_token_ids, block_size, fingerprint, cache_salt)
     query = PromptQuery(hashes, block_size, load_cost_tokens, avoid)
     if registry.can_split(tier):
-        prefill = _pick(policy, registry.in_rotation(tier, Role.PREFILL), query, "worker")
+        prefill = _pick(policy, registry.pairable_prefill(tier), query, "worker")
         decode = _pick(
-            _DECODE_POLICY, registry.in_rotation(tier, Role.DECODE), query, "decode worker"
+            _DECODE_POLICY, registry.decode_partners(prefill.worker), query, "decode worker"
         )
         return Plan(
             tier=tier,

@@ -75,6 +75,15 @@ class WorkerState:
         return max(reported, self.inflight)
 
     @property
+    def revision(self) -> tuple[str, bytes, str] | None:
+        """What must agree for a KV hand-off: model fingerprint, KV layout, kvmesh release
+        (None until a Stats reply arrived)."""
+        if self.stats is None:
+            return None
+        layout = self.stats.layout.SerializeToString(deterministic=True)
+        return (self.stats.model_fingerprint, layout, self.stats.kvmesh_version)
+
+    @property
     def kv_blocks_free(self) -> int:
         return self.stats.kv_blocks_free if self.stats is not None else 0
 
@@ -124,9 +133,21 @@ class PoolRegistry:
         """Workers of a pool that may take new requests."""
         return [w for w in self.workers(tier, role) if w.in_rotation]
 
+    def pairable_prefill(self, tier: str) -> list[WorkerState]:
+        """Prefill workers in rotation that have a decode partner of their revision."""
+        decode_revisions = {w.revision for w in self.in_rotation(tier, Role.DECODE)}
+        return [w for w in self.in_rotation(tier, Role.PREFILL) if w.revision in decode_revisions]
+
+    def decode_partners(self, prefill: WorkerState) -> list[WorkerState]:
+        """Decode workers in rotation that can take `prefill`'s KV (the same revision), so a
+        rolling update never pairs two revisions."""
+        return [
+            w for w in self.in_rotation(prefill.tier, Role.DECODE) if w.revision == prefill.revision
+        ]
+
     def can_split(self, tier: str) -> bool:
-        """The tier has a prefill and a decode worker in rotation."""
-        return bool(self.in_rotation(tier, Role.PREFILL) and self.in_rotation(tier, Role.DECODE))
+        """The tier has a prefill and a decode worker of one revision in rotation."""
+        return bool(self.pairable_prefill(tier))
 
     def serves(self, tier: str) -> bool:
         """Some placement of the tier is possible now."""

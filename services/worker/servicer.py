@@ -44,6 +44,7 @@ from kvmesh.telemetry import tracer
 from kvmesh.timings import request_timings
 from kvmesh.tls import TlsFiles
 from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.version import kvmesh_version
 from services.worker import metrics
 from services.worker.config import WorkerConfig
 from services.worker.convert import engine_request, finished, layout_proto, token_chunk
@@ -405,6 +406,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tokens_per_second=stats.tokens_per_second,
             layout=self.layout,
             context_length=self.engine.context_length,
+            kvmesh_version=kvmesh_version(),
         )
 
     def refresh_gauges(self) -> None:
