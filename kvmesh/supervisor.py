@@ -156,6 +156,18 @@ class Supervisor:
         for child in reversed(list(self.children)):
             await self.stop(child)
 
+    async def restart(self, child: Child, delay_s: float) -> Child:
+        """Starts `child`'s service again (same ports) after `delay_s`, once it has exited;
+        StartupError when the new process is not ready in time."""
+        if child.pump is not None:
+            await child.pump
+        with contextlib.suppress(ValueError):
+            self.children.remove(child)
+        await asyncio.sleep(delay_s)
+        fresh = await self.spawn(child.service)
+        await self.wait_ready([fresh])
+        return fresh
+
     async def first_exit(self) -> Child:
         """The first child to exit on its own."""
         waits = {asyncio.ensure_future(c.process.wait()): c for c in self.children}

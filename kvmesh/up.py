@@ -49,6 +49,12 @@ from kvmesh.telemetry import TRACE_FILE_ENV
 from kvmesh.tls import CA_CERT, StackAuthority
 from kvmesh.v1 import router_pb2, router_pb2_grpc, worker_pb2
 
+RESTARTS_ALLOWED = 3
+"""Restarts of one service within RESTART_WINDOW_S before kvmesh up gives up on the stack."""
+RESTART_WINDOW_S = 60.0
+FIRST_RESTART_DELAY_S = 1.0
+"""Wait before the first restart of a service; doubled for each further one in the window."""
+
 COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 
 POOL_ROLES = {
@@ -324,8 +330,14 @@ class PipeSafeOutput(io.TextIOBase):
 
 
 async def wait_for_stop_or_crash(stack: Stack, stop: asyncio.Event) -> int:
-    """0 after Ctrl-C / SIGTERM; 1 when a service exits by itself (not a drained worker)."""
+    """0 after Ctrl-C / SIGTERM; 1 when a service keeps exiting by itself.
+
+    A service that exits by itself (not a drained worker) is started again on its ports after
+    a backoff (1, 2, 4 s), the router routing around it meanwhile; the stack stops only when
+    one exits more than RESTARTS_ALLOWED times within RESTART_WINDOW_S."""
     stopped = asyncio.create_task(stop.wait())
+    exits: dict[str, list[float]] = {}
+    loop = asyncio.get_running_loop()
     while True:
         crashed = asyncio.create_task(stack.supervisor.first_exit())
         await asyncio.wait({crashed, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -334,9 +346,35 @@ async def wait_for_stop_or_crash(stack: Stack, stop: asyncio.Event) -> int:
             stack.console.print("[yellow]stopping kvmesh[/]")
             return 0
         child = crashed.result()
-        if child in stack.supervisor.children:
+        if child not in stack.supervisor.children:
+            continue
+        name, code, now = child.service.name, child.process.returncode, loop.time()
+        recent = [t for t in exits.get(name, []) if now - t < RESTART_WINDOW_S]
+        exits[name] = [*recent, now]
+        if len(recent) >= RESTARTS_ALLOWED:
             stack.console.print(
-                f"[bold red]{child.service.name} exited unexpectedly"
-                f" (code {child.process.returncode}); stopping the stack[/]"
+                f"[bold red]{name} exited unexpectedly (code {code}), {len(recent) + 1} times"
+                f" within {RESTART_WINDOW_S:.0f}s; stopping the stack[/]"
             )
             return 1
+        delay_s = FIRST_RESTART_DELAY_S * 2 ** len(recent)
+        stack.console.print(
+            f"[bold yellow]{name} exited unexpectedly (code {code}); restarting it in"
+            f" {delay_s:.0f}s (restart {len(recent) + 1} of {RESTARTS_ALLOWED} allowed within"
+            f" {RESTART_WINDOW_S:.0f}s); the router routes around it meanwhile[/]"
+        )
+        restart = asyncio.create_task(stack.supervisor.restart(child, delay_s))
+        await asyncio.wait({restart, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if stopped.done():
+            restart.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StartupError):
+                await restart
+            stack.console.print("[yellow]stopping kvmesh[/]")
+            return 0
+        try:
+            restart.result()
+        except StartupError as error:
+            # The new process is a child that has exited: the next round counts it.
+            stack.console.print(f"[bold red]{name} did not come back: {error}[/]")
+            continue
+        stack.console.print(f"[green]{name} restarted[/]")

@@ -418,6 +418,45 @@ def test_draining_a_worker_lets_its_in_flight_requests_finish(stack: RunningStac
     )
 
 
+def pid_listening_on(port: int) -> int:
+    """The process whose command line serves gRPC on `port` (a service of the stack)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--port" in args and args[args.index(b"--port") + 1 :][:1] == [str(port).encode()]:
+            return int(proc.name)
+    raise AssertionError(f"nothing of the stack serves port {port}")
+
+
+def test_a_killed_worker_is_restarted_and_the_stack_serves_throughout(
+    stack: RunningStack,
+) -> None:
+    """SIGKILL of the only prefill worker: kvmesh up says so, starts it again on its port and
+    the stack serves again, without stopping."""
+    port = FIRST_WORKER_PORT + stack.offset
+    victim = pid_listening_on(port)
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while True:
+        assert stack.proc.poll() is None, "kvmesh up stopped the stack"
+        try:
+            result = stack.cli("generate", "after the crash", "--max-tokens", "3",
+                               "--target", stack.gateway)  # fmt: skip
+            if result.returncode == 0 and pid_listening_on(port) != victim:
+                break
+        except AssertionError:
+            pass  # not back yet
+        assert time.monotonic() < deadline, "the killed worker did not come back"
+        time.sleep(0.5)
+    log = "".join(stack.output)
+    assert "prefill-0 exited unexpectedly (code -9); restarting it in 1s" in log
+    assert "prefill-0 restarted" in log
+
+
 def readme_grpcurl_commands() -> list[list[str]]:
     """The grpcurl commands README.md shows, each split as a shell would."""
     readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
