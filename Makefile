@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvmesh/v1/*.proto)
 
-.PHONY: install protos lint kubectl test test-vllm run bench clean
+.PHONY: install protos lint kubectl test test-vllm run bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	@echo "kvmesh: installing kvmesh, its dependencies (torch CPU, grpc, ...) and the default model into $(VENV) (once, and again when pyproject.toml changes; a few minutes)"
@@ -60,6 +60,15 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.all
+
+# kvmesh vs vLLM's CPU build and transformers (bench/peers.py): not a test. vLLM's CPU docs
+# recommend tcmalloc; it is installed where apt-get can (vLLM runs without it otherwise). The
+# timed runs hold the CPU lock exclusively so that no test of ours runs beside them.
+TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+bench-peers: $(VLLM_STAMP)
+	test -e $(TCMALLOC) || apt-get install -y -q libtcmalloc-minimal4 || \
+		echo "libtcmalloc-minimal4 not installable here: vLLM uses glibc's malloc"
+	flock -x /tmp/kvmesh-cpu.lock $(VLLM_VENV)/bin/python -m bench.peers
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -4,14 +4,14 @@
     .venv/bin/python -m bench.all --quick    # fewer requests and shorter runs
 
 Each script runs in its own process (they load models and start meshes of their own) and
-rewrites only its own section of BENCHMARKS.md. vllm_vs_native runs only where vllm imports,
-vllm_serve only where `make test-vllm` built .venv-vllm.
+rewrites only its own section of BENCHMARKS.md. vllm_serve runs only where `make test-vllm`
+built .venv-vllm. The comparison with vLLM's CPU build has its own target: `make bench-peers`
+(bench/peers.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 import time
@@ -26,15 +26,12 @@ QUICK_ARGS: dict[str, tuple[str, ...]] = {
     "mesh": ("--quick",),
     "openai_http": ("--quick",),
     "vllm_serve": ("--quick",),
-    "vllm_vs_native": ("--requests", "8", "--output-tokens", "32"),
 }
 
 
 def scripts() -> list[str]:
     """The benchmarks this environment can run, in order."""
     names = ["engine", "disagg", "admission", "mesh", "openai_http"]
-    if importlib.util.find_spec("vllm") is not None:
-        names.append("vllm_vs_native")
     if Path(".venv-vllm/bin/python").exists():  # vllm_serve's client and server run there
         names.append("vllm_serve")
     return names

@@ -47,6 +47,7 @@ from kvmesh.loadgen import LoadSpec, build_requests, run_load
 from kvmesh.mesh_keys import write_secret_file
 from kvmesh.stack import (
     OPENAI_HTTP_PORT,
+    Mode,
     StackOptions,
     StackService,
     mesh_secret_path,
@@ -178,14 +179,17 @@ async def running_mesh(args: argparse.Namespace) -> AsyncIterator[str]:
 
 @contextlib.asynccontextmanager
 async def running_stack(
-    args: argparse.Namespace, port_offset: int = PORT_OFFSET, tls: bool = False
+    args: argparse.Namespace,
+    port_offset: int = PORT_OFFSET,
+    tls: bool = False,
+    mode: Mode = "disaggregated",
 ) -> AsyncIterator[list[StackService]]:
-    """`kvmesh up`'s disaggregated stack (with --tls: its certificates too), on bench ports;
+    """`kvmesh up --mode MODE` (with --tls: its certificates too), on bench ports;
     yields its services once all serve."""
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-mesh-") as state:
         options = StackOptions(
             model=args.model,
-            mode="disaggregated",
+            mode=mode,
             port_offset=port_offset,
             gateway_port=50051 + port_offset,
             http_port=OPENAI_HTTP_PORT + port_offset,

@@ -10,6 +10,7 @@ QUANTIZATIONS = ("none", "int8")
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")
 SMALL_BATCH_LINEAR = ("auto", "kernel", "torch")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
+LARGE_BATCH_LINEAR = ("auto", "onednn", "torch")
 
 
 @dataclass(slots=True)
@@ -72,6 +73,11 @@ class EngineConfig:
 
     grammar_compile_threads: int = 2
     """Threads compiling constraints off the step loop."""
+    large_batch_linear: str = "auto"
+    """Where the small-batch kernel runs, how the float32 projections of steps of 17-128 rows
+    run: "onednn" (oneDNN's matmul on weights reordered once into its layout: a second copy of
+    the weights in memory), "torch" (torch's transposed product), or "auto" (oneDNN where
+    torch has it)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
@@ -82,6 +88,7 @@ class EngineConfig:
             "decode_attention": (self.decode_attention, DECODE_ATTENTION),
             "small_batch_linear": (self.small_batch_linear, SMALL_BATCH_LINEAR),
             "grammar_backend": (self.grammar_backend, GRAMMAR_BACKENDS),
+            "large_batch_linear": (self.large_batch_linear, LARGE_BATCH_LINEAR),
         }
         for name, (chosen, allowed) in choices.items():
             if chosen not in allowed:

@@ -72,7 +72,11 @@ class Engine:
                 config.decode_attention, loaded.device, loaded.dtype, threads
             ),
             linear_kernel=choose_linear_kernel(
-                config.small_batch_linear, loaded.device, loaded.dtype, threads
+                config.small_batch_linear,
+                loaded.device,
+                loaded.dtype,
+                threads,
+                config.large_batch_linear,
             ),
         )
         self.layout = self.runner.layout

@@ -12,7 +12,11 @@ import torch
 from services.worker.engine import kernel_build
 from services.worker.engine.decode_kernel import choose_decode_kernel, load_decode_kernel
 from services.worker.engine.kernel_build import KernelUnavailable
-from services.worker.engine.linear_kernel import choose_linear_kernel, load_linear_kernel
+from services.worker.engine.linear_kernel import (
+    choose_linear_kernel,
+    load_linear_kernel,
+    onednn_available,
+)
 
 CPU = torch.device("cpu")
 KERNELS = ("paged_decode_attention", "small_batch_linear")
@@ -26,7 +30,11 @@ def test_every_kernel_source_is_built() -> None:
     ("choose", "load", "fallback"),
     [
         (choose_decode_kernel, load_decode_kernel, "sdpa"),
-        (choose_linear_kernel, load_linear_kernel, "torch"),
+        (
+            choose_linear_kernel,
+            lambda threads: load_linear_kernel(threads, onednn_available()),
+            "torch",
+        ),
     ],
 )
 def test_choice_follows_the_mode_and_the_tensors(
@@ -80,3 +88,10 @@ def test_build_is_cached_by_source_and_compiled_once(
     assert kernel_build.build(name) == first
     assert os.stat(first).st_mtime_ns == built_at  # reused, not rebuilt
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no scratch left behind
+
+
+def test_large_steps_take_onednn_unless_told_not_to() -> None:
+    onednn = choose_linear_kernel("auto", CPU, torch.float32, 1, "onednn")
+    plain = choose_linear_kernel("auto", CPU, torch.float32, 1, "torch")
+    assert onednn is load_linear_kernel(1, True) and plain is load_linear_kernel(1, False)
+    assert onednn is not plain

@@ -17,6 +17,7 @@ from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import (
     MAX_ROWS,
     TRANSPOSED_MAX_ROWS,
+    PackedLinear,
     SmallBatchLinear,
     load_linear_kernel,
 )
@@ -36,7 +37,7 @@ def linear(ins: int, outs: int, generator: torch.Generator) -> nn.Linear:
 
 def rms_norm(size: int, generator: torch.Generator) -> RMSNorm:
     norm = RMSNorm(size, eps=1e-5)
-    norm.weight = nn.Parameter(RMSNorm.weight_from_hf(torch.rand(size, generator=generator) + 0.5))
+    norm.weight = nn.Parameter(torch.rand(size, generator=generator) + 0.5)
     return norm
 
 
@@ -50,7 +51,7 @@ def reference(
     """The projection's definition, in float64."""
     x = x.double()
     if norm is not None:
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.hf_weight().double()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
     if gated:
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up
@@ -123,9 +124,13 @@ def test_fused_work_matches_torch(rows: int, ins: int, outs: int, fused: str) ->
         call.run(load_linear_kernel(2), module), expected, atol=1e-4, rtol=1e-4
     )
     if call.residual is not None:
-        with torch.inference_mode():
-            got = load_linear_kernel(2)(module, call.x, residual=call.residual, norm=call.norm)
-        assert got is call.residual  # added in place, as torch's path does
+        for project in (project_with_torch, load_linear_kernel(2)):
+            residual = call.residual.clone()
+            with torch.inference_mode():
+                got = project(module, call.x.clone(), residual=residual, norm=call.norm)
+            # In place: the layers read the residual afterwards, not the returned tensor.
+            assert got is residual
+            torch.testing.assert_close(residual, expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS])
@@ -203,6 +208,32 @@ def test_transposed_product_matches(rows: int, fused: str) -> None:
     torch.testing.assert_close(
         call.run(load_linear_kernel(2), module), call.expected(module), atol=1e-4, rtol=1e-4
     )
+    if call.residual is not None:  # the matmul adds into the residual itself
+        residual = call.residual.clone()
+        with torch.inference_mode():
+            load_linear_kernel(2)(module, call.x.clone(), gated=call.gated, residual=residual)
+        torch.testing.assert_close(residual, call.expected(module), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", ["", "norm", "gated+residual"])
+def test_larger_steps_run_on_weights_reordered_once(fused: str) -> None:
+    packed = PackedLinear()
+    project = SmallBatchLinear(load_library("small_batch_linear"), 1, max_rows=4, packed=packed)
+    module = linear(64, 96, torch.Generator().manual_seed(3))
+    for rows in (5, TRANSPOSED_MAX_ROWS, TRANSPOSED_MAX_ROWS + 40):  # the last: torch's
+        call = FusedCall.of(64, 96, rows, fused, seed=rows)
+        torch.testing.assert_close(
+            call.run(project, module), call.expected(module), atol=1e-4, rtol=1e-4
+        )
+        if call.residual is not None:
+            residual = call.residual.clone()
+            with torch.inference_mode():
+                got = project(module, call.x.clone(), gated=call.gated, residual=residual)
+            assert got is residual
+            torch.testing.assert_close(residual, call.expected(module), atol=1e-4, rtol=1e-4)
+    assert packed.num_reordered == 1  # reordered on first use, then reused
+    del module, call
+    assert packed.num_reordered == 0  # the reorder went with its weight
 
 
 def test_bad_shapes_are_refused() -> None:

@@ -33,16 +33,17 @@ def tiny_hf(tiny_llama_dir: Path) -> LlamaForCausalLM:
     return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(params=["torch", "kernels"])
+@pytest.fixture(params=["torch", "kernels", "kernels+onednn"])
 def kernels(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Both ways a CPU step runs: torch alone (SDPA decode groups, torch matmuls), and the C
-    kernels (paged decode attention, small-batch projections)."""
+    """Every way a CPU step runs: torch alone (SDPA decode groups, torch matmuls), the C
+    kernels (paged decode attention, small-batch projections) with torch's matmul for larger
+    steps, and with oneDNN on reordered weights for them."""
     if request.param == "torch":
         return {}
     threads = torch.get_num_threads()
     return {
         "decode_kernel": load_decode_kernel(threads),
-        "linear_kernel": load_linear_kernel(threads),
+        "linear_kernel": load_linear_kernel(threads, request.param == "kernels+onednn"),
     }
 
 

@@ -51,7 +51,12 @@ def project_with_torch(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Project every device has: torch ops, one after another."""
-    y = module(projection_input(x, norm, gated))
+    x = projection_input(x, norm, gated)
+    if residual is not None and type(module) is nn.Linear and module.bias is None:
+        # The matmul adds its product into the residual as it writes it (beta = 1): no
+        # product tensor to write and read back.
+        return residual.addmm_(x, module.weight.t())
+    y = module(x)
     return y if residual is None else residual.add_(y)
 
 
@@ -241,30 +246,16 @@ def split_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed as one LayerNorm over the row [x, -x].
-
-    That row has mean 0 and variance mean(x^2), so LayerNorm's first half is exactly
-    x * rsqrt(mean(x^2) + eps). F.rms_norm runs as six kernels on the CPU; this is three
-    (neg, cat, layer_norm), which matters at batch 1, where ~60 norms per step sit between
-    matmuls that stream the weights and leave every small kernel cold. `weight` holds the
-    Hugging Face weight twice, since LayerNorm scales the whole doubled row."""
+    """x / sqrt(mean(x^2) + eps) * weight, as torch's fused CPU/CUDA kernel (one pass over the
+    rows; transformers' formula, in the same order)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(2 * size))
+        self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size = x.shape[-1]
-        doubled = torch.cat([x, x.neg()], dim=-1)
-        return F.layer_norm(doubled, (2 * size,), self.weight, None, self.eps)[..., :size]
-
-    @staticmethod
-    def weight_from_hf(weight: torch.Tensor) -> torch.Tensor:
-        return torch.cat([weight, weight])
-
-    def hf_weight(self) -> torch.Tensor:
-        return self.weight.detach()[: self.weight.shape[0] // 2]
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class LlamaLayer(nn.Module):
@@ -376,7 +367,7 @@ class LlamaModel(nn.Module):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The weights under Hugging Face names: Q/K/V and gate/up split again, Q/K rows back in
-        half-split rotary order, norm weights single."""
+        half-split rotary order."""
         config = self.config
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
@@ -386,17 +377,18 @@ class LlamaModel(nn.Module):
             q, k, v = layer.qkv_proj.weight.detach().split([q_size, kv_size, kv_size])
             gate, up = layer.gate_up_proj.weight.detach().chunk(2)
             state |= {
-                prefix + "input_layernorm.weight": layer.input_norm.hf_weight(),
+                prefix + "input_layernorm.weight": layer.input_norm.weight.detach(),
                 prefix + "self_attn.q_proj.weight": split_rope_rows(q, config.num_heads),
                 prefix + "self_attn.k_proj.weight": split_rope_rows(k, config.num_kv_heads),
                 prefix + "self_attn.v_proj.weight": v,
                 prefix + "self_attn.o_proj.weight": layer.o_proj.weight.detach(),
-                prefix + "post_attention_layernorm.weight": layer.post_attention_norm.hf_weight(),
+                prefix
+                + "post_attention_layernorm.weight": layer.post_attention_norm.weight.detach(),
                 prefix + "mlp.gate_proj.weight": gate,
                 prefix + "mlp.up_proj.weight": up,
                 prefix + "mlp.down_proj.weight": layer.down_proj.weight.detach(),
             }
-        state["model.norm.weight"] = self.final_norm.hf_weight()
+        state["model.norm.weight"] = self.final_norm.weight.detach()
         if not config.tie_word_embeddings:
             state["lm_head.weight"] = self.lm_head.weight.detach()
         return state
@@ -411,11 +403,10 @@ class LlamaModel(nn.Module):
 
 def fuse_hf_weights(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Hugging Face Llama weights -> this module's parameters (fused projections, interleaved
-    rotary rows, doubled norm weights)."""
-    norm = RMSNorm.weight_from_hf
+    rotary rows)."""
     fused = {
         "embed_tokens.weight": hf["model.embed_tokens.weight"],
-        "final_norm.weight": norm(hf["model.norm.weight"]),
+        "final_norm.weight": hf["model.norm.weight"],
         "lm_head.weight": hf["model.embed_tokens.weight"]
         if config.tie_word_embeddings
         else hf["lm_head.weight"],
@@ -425,7 +416,7 @@ def fuse_hf_weights(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[st
         dst = f"layers.{i}."
         attn, mlp = src + "self_attn.", src + "mlp."
         fused |= {
-            dst + "input_norm.weight": norm(hf[src + "input_layernorm.weight"]),
+            dst + "input_norm.weight": hf[src + "input_layernorm.weight"],
             dst + "qkv_proj.weight": torch.cat(
                 [
                     interleave_rope_rows(hf[attn + "q_proj.weight"], config.num_heads),
@@ -434,7 +425,7 @@ def fuse_hf_weights(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[st
                 ]
             ),
             dst + "o_proj.weight": hf[attn + "o_proj.weight"],
-            dst + "post_attention_norm.weight": norm(hf[src + "post_attention_layernorm.weight"]),
+            dst + "post_attention_norm.weight": hf[src + "post_attention_layernorm.weight"],
             dst + "gate_up_proj.weight": torch.cat(
                 [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]]
             ),

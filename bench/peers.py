@@ -1,0 +1,1108 @@
+"""kvmesh against vLLM's CPU build and transformers, side by side, as a user choosing would.
+
+    make bench-peers                          # builds .venv-vllm, runs this under the CPU lock
+    .venv-vllm/bin/python -m bench.peers [--quick] [--rows offline serving single prefix]
+
+Not a test. One run of this script measures every system on the same machine, one system at a
+time, on the same weights (the default model written once as a Hugging Face folder by kvmesh's
+own loader, fp32) and the same prompt token ids:
+
+  offline   64 requests, prompts 64-512 tokens, 128 out, EOS ignored: kvmesh's LLM.generate,
+            vLLM's LLM.generate, transformers' generate() in static batches of 8
+  serving   32 concurrent requests, 128-token prompts, 64 out: `kvmesh up --mode colocated`
+            through the async SDK (one task per request) vs vLLM's OpenAI server (streaming
+            /v1/completions, ignore_eos); `kvmesh up`'s disaggregated default beside them
+  single    one request at a time, 128-token prompt, 128 out: tok/s and TTFT
+  prefix    a fresh 1,024-token prefix + 32-token suffix (cold TTFT), then the same prefix with
+            new suffixes (warm TTFT)
+
+vLLM is started the way its CPU documentation recommends: compiled (inductor, its default),
+VLLM_CPU_OMP_THREADS_BIND over every core, VLLM_CPU_KVCACHE_SPACE sized for the workload,
+tcmalloc preloaded where the system has it (vLLM preloads torch's OpenMP itself). Each system
+gets one warm-up, then each row runs twice on fresh prompts (a rerun on the same prompts would
+be served from the prefix cache). Greedy outputs are compared token by token across systems.
+Every timed region records the load average and the CPU that other processes used meanwhile;
+a region disturbed by them is run again and both are kept. Writes the "Peers" section of
+BENCHMARKS.md and bench/results/peers.json + peers.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from bench.report import BENCHMARKS, RESULTS, write_results, write_section
+from kvmesh.bench_report import percentile
+from kvmesh.stack import Mode
+
+HEADING = "## Peers: kvmesh vs vLLM CPU"
+MODEL = "smollm2-135m"
+MODES: dict[str, Mode] = {"kvmesh colocated": "colocated", "kvmesh disaggregated": "disaggregated"}
+# Far from `kvmesh up`'s default ports and from bench.mesh's offset.
+PORT_OFFSET = 1700
+VLLM_PORT = 18851
+# Another process using more than this many cores during a timed region disturbs it.
+DISTURBED_CORES = 0.25
+TCMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+    "/usr/lib64/libtcmalloc_minimal.so.4",
+)
+# kvmesh's default large-batch projections first (its figures), then the alternative.
+LARGE_BATCH_MODES = ("onednn", "torch")
+STEP_REPEATS = 7
+KV_CACHE_GIB = 3  # 64 x 640 tokens of fp32 KV is ~1.9 GB
+
+
+@dataclass(slots=True, frozen=True)
+class Workload:
+    offline_requests: int = 64
+    offline_min_prompt: int = 64
+    offline_max_prompt: int = 512
+    offline_output: int = 128
+    hf_batch: int = 8
+    serving_requests: int = 32
+    serving_prompt: int = 128
+    serving_output: int = 64
+    single_requests: int = 3
+    single_prompt: int = 128
+    single_output: int = 128
+    prefix_tokens: int = 1024
+    suffix_tokens: int = 32
+    warm_requests: int = 3
+    runs: int = 2
+
+    @classmethod
+    def quick(cls) -> Workload:
+        return cls(
+            offline_requests=8,
+            offline_output=16,
+            serving_requests=8,
+            serving_output=16,
+            single_requests=1,
+            single_output=16,
+            prefix_tokens=256,
+            warm_requests=1,
+            runs=1,
+        )
+
+
+# ---- prompts: token ids, built once, fresh for every run -----------------------------------
+
+
+def random_ids(rng: random.Random, count: int, vocab: int) -> list[int]:
+    # Ids below 100 are the tokenizer's special and byte tokens.
+    return [rng.randrange(100, vocab) for _ in range(count)]
+
+
+def prompts_for(work: Workload, vocab: int, seed: int) -> dict[str, Any]:
+    """Every row's prompts for one run (seed 0 is the warm-up): the same for every system."""
+    rng = random.Random(seed)
+    offline = [
+        random_ids(rng, rng.randint(work.offline_min_prompt, work.offline_max_prompt), vocab)
+        for _ in range(work.offline_requests)
+    ]
+    prefix = random_ids(rng, work.prefix_tokens, vocab)
+    return {
+        "offline": offline,
+        "serving": [
+            random_ids(rng, work.serving_prompt, vocab) for _ in range(work.serving_requests)
+        ],
+        "single": [random_ids(rng, work.single_prompt, vocab) for _ in range(work.single_requests)],
+        "prefix": [
+            prefix + random_ids(rng, work.suffix_tokens, vocab)
+            for _ in range(1 + work.warm_requests)
+        ],
+    }
+
+
+# ---- the CPU others used during a timed region ---------------------------------------------
+
+
+def _cpu_ticks() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, user + system ticks) of every process."""
+    ticks = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        ticks[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return ticks
+
+
+def _ours(ticks: dict[int, tuple[int, int]]) -> set[int]:
+    """This process and its descendants (the systems under test)."""
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in ticks.items():
+        children.setdefault(parent, []).append(pid)
+    ours, stack = set(), [os.getpid()]
+    while stack:
+        pid = stack.pop()
+        ours.add(pid)
+        stack.extend(children.get(pid, []))
+    return ours
+
+
+@dataclass(slots=True)
+class Region:
+    """Wall time of a timed region, the load average around it and the cores other
+    processes kept busy meanwhile."""
+
+    seconds: float = 0.0
+    load_start: float = 0.0
+    load_end: float = 0.0
+    other_cores: float = 0.0
+
+    @property
+    def disturbed(self) -> bool:
+        return self.other_cores > DISTURBED_CORES
+
+
+@contextlib.contextmanager
+def timed_region() -> Iterator[Region]:
+    region = Region(load_start=os.getloadavg()[0])
+    before = _cpu_ticks()
+    started = time.perf_counter()
+    yield region
+    region.seconds = time.perf_counter() - started
+    after = _cpu_ticks()
+    ours = _ours(after) | _ours(before)
+    others = sum(
+        ticks - before.get(pid, (0, 0))[1]
+        for pid, (_, ticks) in after.items()
+        if pid not in ours and ticks >= before.get(pid, (0, 0))[1]
+    )
+    region.other_cores = others / os.sysconf("SC_CLK_TCK") / max(region.seconds, 1e-9)
+    region.load_end = os.getloadavg()[0]
+
+
+# ---- offline row: each library in a child process of its own -------------------------------
+
+
+def offline_child(system: str, model_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs in the child: warm-up, then each run's prompts; outputs and timed regions."""
+    work = Workload(**spec["workload"])
+    generate = _offline_generator(system, model_dir, work)
+    generate(spec["warmup"])
+    runs: list[dict[str, Any]] = []
+    for index, (prompts, spare) in enumerate(zip(spec["runs"], spec["spares"], strict=True)):
+        with timed_region() as region:
+            outputs = generate(prompts)
+        runs.append({"region": asdict(region), "outputs": outputs, "prompts": ["runs", index]})
+        if region.disturbed:
+            with timed_region() as region:
+                outputs = generate(spare)
+            runs.append(
+                {
+                    "region": asdict(region),
+                    "outputs": outputs,
+                    "prompts": ["spares", index],
+                    "repeat_of_disturbed": index,
+                }
+            )
+    return {"runs": runs}
+
+
+def _offline_generator(
+    system: str, model_dir: str, work: Workload
+) -> Callable[[list[list[int]]], list[list[int]]]:
+    out = work.offline_output
+    if system == "kvmesh":
+        from services.worker.engine.api import SamplingParams
+        from services.worker.engine.llm import LLM
+
+        llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_GIB << 30, max_num_seqs=64)
+        sampling = SamplingParams(max_tokens=out, ignore_eos=True)
+        return lambda prompts: [c.token_ids for c in llm.generate(prompts, sampling)]
+    if system == "vllm":
+        import vllm
+
+        engine = vllm.LLM(model=model_dir, dtype="float32", max_model_len=2048, seed=0)
+        params = vllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
+
+        def run(prompts: list[list[int]]) -> list[list[int]]:
+            requests = [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts]
+            done = engine.generate(requests, params, use_tqdm=False)
+            return [list(d.outputs[0].token_ids) for d in done]
+
+        return run
+    if system == "transformers":
+        return _transformers_generator(model_dir, work)
+    raise ValueError(f"unknown offline system {system!r}")
+
+
+def _transformers_generator(
+    model_dir: str, work: Workload
+) -> Callable[[list[list[int]]], list[list[int]]]:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos
+
+    def run(prompts: list[list[int]]) -> list[list[int]]:
+        outputs = []
+        for start in range(0, len(prompts), work.hf_batch):
+            batch = prompts[start : start + work.hf_batch]
+            width = max(len(p) for p in batch)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():
+                generated = model.generate(
+                    input_ids=ids,
+                    attention_mask=mask,
+                    max_new_tokens=work.offline_output,
+                    min_new_tokens=work.offline_output,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            outputs += generated[:, width:].tolist()
+        return outputs
+
+    return run
+
+
+def steps_child(model_dir: str) -> dict[str, Any]:
+    """kvmesh's step times against the machine: the fp32 matmul peak, a 512-token prefill
+    step, a 32-row decode step and the batch-1 step against the weight-read floor."""
+    import torch
+
+    from bench.engine import copy_bandwidth, weight_bytes
+    from services.worker.engine.config import EngineConfig
+    from services.worker.engine.engine import Engine
+    from services.worker.engine.loader import load_model
+    from services.worker.engine.model_runner import BatchEntry
+
+    loaded = load_model(model_dir)
+    # One runner per way the larger steps' projections run, on the same weights, measured
+    # alternately so that both see the same machine.
+    runners = {
+        mode: Engine(
+            loaded,
+            EngineConfig(model=model_dir, num_kv_blocks=32 * 24 + 64, large_batch_linear=mode),
+        ).runner
+        for mode in LARGE_BATCH_MODES
+    }
+    config = loaded.config
+    rng = random.Random(7)
+    ids = lambda n: random_ids(rng, n, config.vocab_size)  # noqa: E731
+    table = lambda i, n: list(range(i * n, (i + 1) * n))  # noqa: E731
+    context = 300
+    batches = {
+        "prefill_512": [BatchEntry(ids(512), 0, table(0, 32))],
+        "decode_32": [BatchEntry(ids(1), context, table(i, 24)) for i in range(32)],
+        "decode_1": [BatchEntry(ids(1), context, table(0, 24))],
+    }
+    a = torch.randn(2048, 2048)
+    b = torch.randn(2048, 2048)
+    peak_s: list[float] = []
+    by_mode: dict[str, dict[str, float]] = {mode: {} for mode in runners}
+    for name, batch in batches.items():
+        times: dict[str, list[float]] = {mode: [] for mode in runners}
+        for runner in runners.values():
+            runner.forward(batch)
+        # The peak is measured between the steps too: on a shared machine the best of many
+        # short samples is the least disturbed one.
+        for _ in range(STEP_REPEATS):
+            peak_s.append(_seconds(lambda: torch.mm(a, b)))
+            for mode, runner in runners.items():
+                times[mode].append(_seconds(functools.partial(runner.forward, batch)))
+        for mode in runners:
+            by_mode[mode][name] = min(times[mode])
+    seconds = by_mode[LARGE_BATCH_MODES[0]]
+    peak = 2 * 2048**3 / min(peak_s)
+    shapes = model_shapes(loaded.config)
+    flops = {
+        "prefill_512": step_flops(shapes, [(0, 512)], logit_rows=1),
+        "decode_32": step_flops(shapes, [(context, 1)] * 32, logit_rows=32),
+    }
+    return {
+        "matmul_peak_flops": peak,
+        "step_s": seconds,
+        "step_s_by_large_batch_linear": by_mode,
+        "step_flops": flops,
+        "weight_bytes": weight_bytes(loaded),
+        "copy_bytes_per_s": copy_bandwidth(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+@dataclass(slots=True, frozen=True)
+class Shapes:
+    layer_params: int  # weights of one layer's projections
+    num_layers: int
+    heads_dim: int  # query heads x head dim
+    lm_head: int  # vocab x hidden
+
+
+def model_shapes(config: Any) -> Shapes:
+    hidden, heads, kv = config.hidden_size, config.num_heads, config.num_kv_heads
+    qkv = hidden * (heads + 2 * kv) * config.head_dim
+    o = heads * config.head_dim * hidden
+    mlp = 3 * hidden * config.intermediate_size
+    return Shapes(
+        qkv + o + mlp, config.num_layers, heads * config.head_dim, config.vocab_size * hidden
+    )
+
+
+def step_flops(shapes: Shapes, chunks: list[tuple[int, int]], logit_rows: int) -> float:
+    """Multiply-adds x 2 of a step computing `chunks` (start position, tokens) causally."""
+    tokens = sum(n for _, n in chunks)
+    # Each query at position p scores p + 1 keys and sums as many values: 2 x 2 x heads x dim.
+    attended = sum(n * start + n * (n + 1) // 2 for start, n in chunks)
+    per_layer = 2 * shapes.layer_params * tokens + 4 * shapes.heads_dim * attended
+    return per_layer * shapes.num_layers + 2 * shapes.lm_head * logit_rows
+
+
+def offline_flops(shapes: Shapes, prompts: list[list[int]], output: int) -> float:
+    """The work of the offline row: every prompt and all but the last output token computed."""
+    return sum(step_flops(shapes, [(0, len(p) + output - 1)], logit_rows=output) for p in prompts)
+
+
+def run_child(python: str, kind: str, args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """`python -m bench.peers --child kind args...`; its JSON result."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
+        result_path = Path(out.name)
+    command = [python, "-m", "bench.peers", "--child", kind, "--result", str(result_path), *args]
+    try:
+        subprocess.run(command, env=os.environ | env, check=True)
+        return json.loads(result_path.read_text())
+    finally:
+        result_path.unlink(missing_ok=True)
+
+
+# ---- servers -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Request:
+    """What a client saw of one streamed request."""
+
+    ttft_s: float
+    e2e_s: float
+    token_ids: list[int]
+
+
+class Server(Protocol):
+    """A running server the rows stream requests to."""
+
+    name: str
+
+    async def request(self, prompt: list[int], max_tokens: int) -> Request: ...
+
+
+class KvmeshServer:
+    def __init__(self, name: str, gateway: str) -> None:
+        from kvmesh.client import Client
+
+        self.name = name
+        self._client = Client(gateway)
+
+    async def request(self, prompt: list[int], max_tokens: int) -> Request:
+        started = time.perf_counter()
+        ttft = math.nan
+        tokens: list[int] = []
+        async with self._client.stream(
+            prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+        ) as stream:
+            async for chunk in stream:
+                if chunk.token_ids and not tokens:
+                    ttft = time.perf_counter() - started
+                tokens += chunk.token_ids
+        return Request(ttft, time.perf_counter() - started, tokens)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+
+class VllmServer:
+    def __init__(self, url: str, model: str) -> None:
+        import aiohttp
+
+        self.name = "vllm"
+        self._url = url
+        self._model = model
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+
+    async def request(self, prompt: list[int], max_tokens: int) -> Request:
+        body = {
+            "model": self._model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        started = time.perf_counter()
+        ttft = math.nan
+        tokens: list[int] = []
+        async with self._session.post(f"{self._url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.content:
+                text = line.decode().strip()
+                if not text.startswith("data: ") or text == "data: [DONE]":
+                    continue
+                choices = json.loads(text[6:]).get("choices") or [{}]
+                delta = choices[0].get("token_ids") or []
+                if delta and not tokens:
+                    ttft = time.perf_counter() - started
+                tokens += delta
+        return Request(ttft, time.perf_counter() - started, tokens)
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+@contextlib.asynccontextmanager
+async def kvmesh_server(model_dir: Path, mode: Mode) -> AsyncIterator[KvmeshServer]:
+    from bench.mesh import running_stack
+
+    stack_args = argparse.Namespace(model=str(model_dir))
+    async with running_stack(stack_args, port_offset=PORT_OFFSET, mode=mode) as services:
+        gateway = next(s for s in services if s.name == "gateway").address
+        server = KvmeshServer(f"kvmesh {mode}", gateway)
+        try:
+            yield server
+        finally:
+            await server.close()
+
+
+def vllm_environment() -> dict[str, str]:
+    """vLLM's CPU docs: threads bound to every core, KV space sized, tcmalloc preloaded."""
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+        "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+    }
+    tcmalloc = next((path for path in TCMALLOC if Path(path).exists()), None)
+    if tcmalloc is not None:
+        env["LD_PRELOAD"] = ":".join(p for p in (tcmalloc, os.environ.get("LD_PRELOAD")) if p)
+    return env
+
+
+@contextlib.asynccontextmanager
+async def vllm_server(model_dir: Path) -> AsyncIterator[VllmServer]:
+    import aiohttp
+
+    command = [
+        sys.executable,
+        *("-m", "vllm.entrypoints.openai.api_server"),
+        *("--model", str(model_dir), "--served-model-name", MODEL),
+        *("--dtype", "float32", "--max-model-len", "2048"),
+        *("--host", "127.0.0.1", "--port", str(VLLM_PORT)),
+        "--disable-log-stats",
+    ]
+    log = Path(tempfile.gettempdir()) / "kvmesh-bench-peers-vllm.log"
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            *command, env=os.environ | vllm_environment(), stdout=out, stderr=out
+        )
+    url = f"http://127.0.0.1:{VLLM_PORT}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            while True:
+                if process.returncode is not None:
+                    raise RuntimeError(f"vLLM's server exited; see {log}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"{url}/health") as response:
+                        if response.status == 200:
+                            break
+                await asyncio.sleep(1.0)
+        server = VllmServer(url, MODEL)
+        try:
+            yield server
+        finally:
+            await server.close()
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), timeout=30)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+# ---- the server rows -----------------------------------------------------------------------
+
+
+async def serving_row(server: Server, prompts: list[list[int]], output: int) -> dict[str, Any]:
+    with timed_region() as region:
+        started = time.perf_counter()
+        done = await asyncio.gather(*(server.request(p, output) for p in prompts))
+        duration = time.perf_counter() - started
+    tokens = sum(len(r.token_ids) for r in done)
+    ttfts = [r.ttft_s * 1000 for r in done]
+    tpots = [(r.e2e_s - r.ttft_s) * 1000 / (len(r.token_ids) - 1) for r in done]
+    return {
+        "region": asdict(region),
+        "tok_s": tokens / duration,
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p99_ms": percentile(ttfts, 99),
+        "tpot_p50_ms": percentile(tpots, 50),
+        "outputs": [r.token_ids for r in done],
+    }
+
+
+async def single_row(server: Server, prompts: list[list[int]], output: int) -> dict[str, Any]:
+    with timed_region() as region:
+        done = [await server.request(p, output) for p in prompts]
+    return {
+        "region": asdict(region),
+        "tok_s": statistics.median(len(r.token_ids) / r.e2e_s for r in done),
+        "ttft_ms": statistics.median(r.ttft_s * 1000 for r in done),
+        "outputs": [r.token_ids for r in done],
+    }
+
+
+async def prefix_row(server: Server, prompts: list[list[int]]) -> dict[str, Any]:
+    """prompts[0] meets a cold prefix; the rest share it with new suffixes."""
+    with timed_region() as region:
+        cold = await server.request(prompts[0], 1)
+        warm = [await server.request(p, 1) for p in prompts[1:]]
+    return {
+        "region": asdict(region),
+        "cold_ttft_ms": cold.ttft_s * 1000,
+        "warm_ttft_ms": statistics.median(r.ttft_s * 1000 for r in warm),
+        "outputs": [cold.token_ids, *(r.token_ids for r in warm)],
+    }
+
+
+async def server_rows(
+    server: Server, rows: list[str], work: Workload, prompt_sets: list[dict[str, Any]]
+) -> dict[str, list[dict[str, Any]]]:
+    """The warm-up (prompt set 0), then every row on each run's prompt set; a run disturbed
+    by other processes is run again on its spare set (fresh prompts: the same ones would be
+    served from the prefix cache) and both are kept, the repeat marked."""
+    await serving_row(server, prompt_sets[0]["serving"][:4], 4)
+    results: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
+    for run_index in range(work.runs):
+        for row in rows:
+            result = await _server_row(server, row, work, prompt_sets[1 + run_index])
+            results[row].append(result)
+            if result["region"]["other_cores"] > DISTURBED_CORES:
+                again = await _server_row(
+                    server, row, work, spare_set(prompt_sets, work, run_index)
+                )
+                again["repeat_of_disturbed"] = run_index
+                results[row].append(again)
+    return results
+
+
+def spare_set(prompt_sets: list[dict[str, Any]], work: Workload, run_index: int) -> dict[str, Any]:
+    """The prompts a disturbed run `run_index` is repeated on."""
+    return prompt_sets[1 + work.runs + run_index]
+
+
+async def _server_row(
+    server: Server, row: str, work: Workload, prompts: dict[str, Any]
+) -> dict[str, Any]:
+    if row == "serving":
+        return await serving_row(server, prompts["serving"], work.serving_output)
+    if row == "single":
+        return await single_row(server, prompts["single"], work.single_output)
+    if row == "prefix":
+        return await prefix_row(server, prompts["prefix"])
+    raise ValueError(f"unknown server row {row!r}")
+
+
+# ---- the whole run -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Report:
+    machine: dict[str, Any] = field(default_factory=dict)
+    workload: dict[str, Any] = field(default_factory=dict)
+    offline: dict[str, Any] = field(default_factory=dict)  # system -> runs
+    servers: dict[str, Any] = field(default_factory=dict)  # system -> row -> runs
+    steps: dict[str, Any] = field(default_factory=dict)
+    agreement: dict[str, Any] = field(default_factory=dict)
+
+
+def machine() -> dict[str, Any]:
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    info = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    flags = info.get("Flags", "").split()
+    return {
+        "cpu": info.get("Model name", platform.processor()).strip(),
+        "cores": os.cpu_count(),
+        "avx512": "avx512f" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "load_average_start": os.getloadavg()[0],
+    }
+
+
+def write_model(folder: Path) -> Any:
+    """The default model as a Hugging Face folder written by kvmesh's loader; its config."""
+    from services.worker.engine.loader import load_model, save_hf_folder
+
+    loaded = load_model(MODEL)
+    save_hf_folder(loaded, folder)
+    return loaded.config
+
+
+def config_of(model_dir: Path) -> Any:
+    from services.worker.engine.models.llama import ModelConfig
+
+    return ModelConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
+
+
+async def run(args: argparse.Namespace, console: Console) -> Report:
+    work = Workload.quick() if args.quick else Workload()
+    report = Report(machine=machine(), workload=asdict(work))
+    with tempfile.TemporaryDirectory(prefix="kvmesh-bench-peers-") as scratch:
+        model_dir = Path(scratch) / "model"
+        config = write_model(model_dir)
+        # Set 0 is the warm-up, sets 1..runs the timed runs, the rest their spares.
+        prompt_sets = [
+            prompts_for(work, config.vocab_size, seed) for seed in range(2 * work.runs + 1)
+        ]
+        server_rows_wanted = [row for row in ("serving", "single", "prefix") if row in args.rows]
+        phases = _phases(args, server_rows_wanted)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+        with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
+            task = progress.add_task("peers", total=len(phases))
+            for name, phase in phases:
+                progress.update(task, description=name)
+                await phase(report, model_dir, work, prompt_sets)
+                progress.advance(task)
+    report.agreement = agreement(report)
+    report.machine["load_average_end"] = os.getloadavg()[0]
+    return report
+
+
+Phase = Callable[[Report, Path, Workload, list[dict[str, Any]]], Any]
+
+
+def _phases(args: argparse.Namespace, server_row_names: list[str]) -> list[tuple[str, Phase]]:
+    phases: list[tuple[str, Phase]] = []
+    if "offline" in args.rows:
+        for system in args.offline_systems:
+            phases.append((f"offline, {system}", _offline_phase(system)))
+    if server_row_names:
+        phases.append(
+            ("kvmesh colocated server", _server_phase("kvmesh colocated", server_row_names))
+        )
+        phases.append(("vllm server", _server_phase("vllm", server_row_names)))
+        if "serving" in server_row_names and not args.skip_disaggregated:
+            phases.append(
+                ("kvmesh disaggregated server", _server_phase("kvmesh disaggregated", ["serving"]))
+            )
+    if "steps" in args.rows:
+        phases.append(("kvmesh steps vs the machine", _steps_phase))
+    return phases
+
+
+def _offline_phase(system: str) -> Phase:
+    async def phase(
+        report: Report, model_dir: Path, work: Workload, sets: list[dict[str, Any]]
+    ) -> None:
+        # transformers takes minutes a run: it runs the first set only.
+        runs = 1 if system == "transformers" else work.runs
+        spec = {
+            "workload": asdict(work),
+            "warmup": sets[0]["offline"][:8],
+            "runs": [s["offline"] for s in sets[1 : 1 + runs]],
+            "spares": [spare_set(sets, work, i)["offline"] for i in range(runs)],
+        }
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+            json.dump(spec, file)
+        env = vllm_environment() if system == "vllm" else {}
+        try:
+            result = await asyncio.to_thread(
+                run_child, sys.executable, "offline", [system, str(model_dir), file.name], env
+            )
+        finally:
+            Path(file.name).unlink(missing_ok=True)
+        shapes = model_shapes(config_of(model_dir))
+        done = result["runs"]
+        for entry in done:
+            kind, index = entry["prompts"]
+            prompts = spec[kind][index]
+            seconds = entry["region"]["seconds"]
+            entry["tok_s"] = sum(len(o) for o in entry["outputs"]) / seconds
+            entry["model_flops_per_s"] = (
+                offline_flops(shapes, prompts, work.offline_output) / seconds
+            )
+        report.offline[system] = done
+
+    return phase
+
+
+def _server_phase(system: str, rows: list[str]) -> Phase:
+    async def phase(
+        report: Report, model_dir: Path, work: Workload, sets: list[dict[str, Any]]
+    ) -> None:
+        context: contextlib.AbstractAsyncContextManager[Server] = (
+            vllm_server(model_dir) if system == "vllm" else kvmesh_server(model_dir, MODES[system])
+        )
+        async with context as server:
+            results = await server_rows(server, rows, work, sets)
+        report.servers[system] = results
+
+    return phase
+
+
+async def _steps_phase(
+    report: Report, model_dir: Path, work: Workload, sets: list[dict[str, Any]]
+) -> None:
+    report.steps = await asyncio.to_thread(run_child, sys.executable, "steps", [str(model_dir)], {})
+
+
+# ---- agreement, table, plot ----------------------------------------------------------------
+
+
+def compare(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """Requests identical token for token, and the mean share of tokens before a divergence."""
+    pairs = list(zip(a, b, strict=True))
+    same = sum(x == y for x, y in pairs)
+    prefix = [_common_prefix(x, y) / max(len(x), 1) for x, y in pairs]
+    return {"identical": same, "requests": len(pairs), "agreeing_share": statistics.fmean(prefix)}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement(report: Report) -> dict[str, Any]:
+    """kvmesh against every other system, per row, over the runs both made (first runs)."""
+    found: dict[str, Any] = {}
+    kv_off = report.offline.get("kvmesh")
+    for other in ("vllm", "transformers"):
+        if kv_off and other in report.offline:
+            found[f"offline: kvmesh vs {other}"] = compare(
+                kv_off[0]["outputs"], report.offline[other][0]["outputs"]
+            )
+    kv_srv = report.servers.get("kvmesh colocated", {})
+    for system, rows in report.servers.items():
+        if system == "kvmesh colocated":
+            continue
+        for row, runs in rows.items():
+            if row in kv_srv:
+                found[f"{row}: kvmesh colocated vs {system}"] = compare(
+                    kv_srv[row][0]["outputs"], runs[0]["outputs"]
+                )
+    return found
+
+
+def best(runs: list[dict[str, Any]], key: str, higher: bool = True) -> float:
+    """The better of a row's undisturbed runs (all runs when every one was disturbed)."""
+    calm = [r for r in runs if r["region"]["other_cores"] <= DISTURBED_CORES] or runs
+    values = [r[key] for r in calm]
+    return max(values) if higher else min(values)
+
+
+def table_rows(report: Report) -> list[tuple[str, str, str, str]]:
+    """(workload, kvmesh, vLLM, kvmesh / vLLM) lines of the table."""
+    lines = []
+    off = report.offline
+    if "kvmesh" in off and "vllm" in off:
+        k, v = best(off["kvmesh"], "tok_s"), best(off["vllm"], "tok_s")
+        lines.append(
+            ("offline, LLM.generate: output tok/s", f"{k:.1f}", f"{v:.1f}", f"{k / v:.2f}x")
+        )
+    if "transformers" in off and "kvmesh" in off:
+        t = best(off["transformers"], "tok_s")
+        lines.append(
+            (
+                "offline, transformers generate() bs=8: tok/s",
+                "",
+                f"{t:.1f} (transformers)",
+                f"kvmesh {best(off['kvmesh'], 'tok_s') / t:.2f}x",
+            )
+        )
+    srv = report.servers
+    kv, vl = srv.get("kvmesh colocated", {}), srv.get("vllm", {})
+    if "serving" in kv and "serving" in vl:
+        k, v = kv["serving"], vl["serving"]
+        lines.append(
+            (
+                "serving, 32 concurrent: output tok/s",
+                f"{best(k, 'tok_s'):.1f}",
+                f"{best(v, 'tok_s'):.1f}",
+                f"{best(k, 'tok_s') / best(v, 'tok_s'):.2f}x",
+            )
+        )
+        for key, label in (
+            ("ttft_p50_ms", "TTFT p50 ms"),
+            ("ttft_p99_ms", "TTFT p99 ms"),
+            ("tpot_p50_ms", "TPOT p50 ms"),
+        ):
+            a, b = best(k, key, higher=False), best(v, key, higher=False)
+            lines.append(
+                (f"serving, 32 concurrent: {label}", f"{a:.0f}", f"{b:.0f}", f"{a / b:.2f}x")
+            )
+    disagg = srv.get("kvmesh disaggregated", {})
+    if "serving" in disagg and "serving" in vl:
+        d, v = best(disagg["serving"], "tok_s"), best(vl["serving"], "tok_s")
+        lines.append(
+            (
+                "serving, `kvmesh up` disaggregated: output tok/s",
+                f"{d:.1f}",
+                f"{v:.1f}",
+                f"{d / v:.2f}x",
+            )
+        )
+    if "single" in kv and "single" in vl:
+        k, v = best(kv["single"], "tok_s"), best(vl["single"], "tok_s")
+        lines.append(("one request, 128 + 128: tok/s", f"{k:.1f}", f"{v:.1f}", f"{k / v:.2f}x"))
+        a, b = best(kv["single"], "ttft_ms", False), best(vl["single"], "ttft_ms", False)
+        lines.append(("one request: TTFT ms", f"{a:.0f}", f"{b:.0f}", f"{a / b:.2f}x"))
+    if "prefix" in kv and "prefix" in vl:
+        for key, label in (("cold_ttft_ms", "cold"), ("warm_ttft_ms", "warm")):
+            a, b = best(kv["prefix"], key, False), best(vl["prefix"], key, False)
+            lines.append(
+                (
+                    f"1,024-token prefix + 32: {label} TTFT ms",
+                    f"{a:.0f}",
+                    f"{b:.0f}",
+                    f"{a / b:.2f}x",
+                )
+            )
+    return lines
+
+
+def step_lines(report: Report) -> list[str]:
+    steps = report.steps
+    if not steps:
+        return []
+    peak = steps["matmul_peak_flops"]
+    lines = [
+        f"- fp32 matmul peak measured here (2048^3 torch.mm, {steps['threads']} threads): "
+        f"{peak / 1e9:.0f} GFLOP/s."
+    ]
+    labels = {
+        "prefill_512": "a 512-token prefill step",
+        "decode_32": "a 32-row decode step (300-token contexts)",
+    }
+    for name, label in labels.items():
+        seconds = steps["step_s"][name]
+        rate = steps["step_flops"][name] / seconds
+        lines.append(
+            f"- kvmesh, {label}: {seconds * 1000:.1f} ms, {rate / 1e9:.0f} GFLOP/s = "
+            f"{rate / peak:.0%} of the peak."
+        )
+    floor = steps["weight_bytes"] / steps["copy_bytes_per_s"]
+    one = steps["step_s"]["decode_1"]
+    lines.append(
+        f"- kvmesh, the batch-1 step: {one * 1000:.1f} ms vs a {floor * 1000:.1f} ms weight-read "
+        f"floor ({steps['weight_bytes'] / 1e6:.0f} MB at {steps['copy_bytes_per_s'] / 1e9:.1f} "
+        f"GB/s copy bandwidth) = {one / floor:.2f}x."
+    )
+    onednn, plain = (steps["step_s_by_large_batch_linear"][m] for m in LARGE_BATCH_MODES)
+    lines.append(
+        "- projections of 17-128-row steps on oneDNN with reordered weights (the default) vs "
+        "torch's transposed product, side by side: "
+        + ", ".join(f"{name} {onednn[name] / plain[name]:.2f}x the time" for name in onednn)
+        + "."
+    )
+    for system, runs in report.offline.items():
+        rate = max(r["model_flops_per_s"] for r in runs)
+        lines.append(
+            f"- offline row, {system}: {rate / 1e9:.0f} GFLOP/s of model work over the run = "
+            f"{rate / peak:.0%} of the peak."
+        )
+    return lines
+
+
+def disturbance_lines(report: Report) -> list[str]:
+    lines = []
+    for system, runs in report.offline.items():
+        lines += [_region_line(f"offline {system}", r) for r in runs]
+    for system, rows in report.servers.items():
+        for row, runs in rows.items():
+            lines += [_region_line(f"{row} {system}", r) for r in runs]
+    return lines
+
+
+def _region_line(name: str, run: dict[str, Any]) -> str:
+    region = run["region"]
+    if "repeat_of_disturbed" in run:
+        name += f" (repeat of disturbed run {run['repeat_of_disturbed'] + 1})"
+    mark = " **disturbed**" if region["other_cores"] > DISTURBED_CORES else ""
+    return (
+        f"{name}: {region['seconds']:.1f} s, load {region['load_start']:.1f} -> "
+        f"{region['load_end']:.1f}, other processes {region['other_cores']:.2f} cores{mark}"
+    )
+
+
+def markdown(report: Report, command: str) -> str:
+    m = report.machine
+    isa = "AVX2 (no AVX-512)"
+    if m["avx512"]:
+        isa = "AVX-512 + BF16" if m["avx512_bf16"] else "AVX-512"
+    lines = [
+        HEADING,
+        "",
+        f"`{command}` — {MODEL} in fp32 from one Hugging Face folder written by kvmesh's "
+        f"loader, the same prompt token ids for every system, on {m['cpu']} ({m['cores']} "
+        f"cores, {isa}); load average {m['load_average_start']:.1f} at the start, "
+        f"{m['load_average_end']:.1f} at the end. vLLM {_vllm_version()} (compiled by "
+        "inductor, VLLM_CPU_OMP_THREADS_BIND over every core, VLLM_CPU_KVCACHE_SPACE set, "
+        "tcmalloc preloaded where installed); kvmesh with its defaults (`kvmesh up --mode "
+        f"colocated` for the server rows). One warm-up each, then {report.workload['runs']} "
+        "run(s) per row on fresh prompts; each figure is the better undisturbed run. Results: "
+        "`bench/results/peers.json`, `bench/results/peers.png`.",
+        "",
+        "| workload | kvmesh | vLLM CPU | kvmesh / vLLM |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in table_rows(report)]
+    lines += ["", "Greedy outputs, token by token:", ""]
+    for name, agree in report.agreement.items():
+        lines.append(
+            f"- {name}: {agree['identical']} of {agree['requests']} requests identical; on average "
+            f"{agree['agreeing_share']:.0%} of each output agrees before any divergence."
+        )
+    steps = step_lines(report)
+    if steps:
+        lines += ["", "Against the machine:", "", *steps]
+    lines += [
+        "",
+        f"Timed regions (a region where other processes used over {DISTURBED_CORES} cores is "
+        "disturbed and was run again on fresh prompts):",
+        "",
+    ]
+    lines += [f"- {line}" for line in disturbance_lines(report)]
+    return "\n".join(lines) + "\n"
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-cpu")
+    except PackageNotFoundError:
+        return version("vllm")
+
+
+def plot(report: Report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [
+        r
+        for r in table_rows(report)
+        if r[1] and r[2] and "x" in r[3] and not r[3].startswith("kvmesh")
+    ]
+    names = [r[0] for r in rows]
+    ratios = [float(r[3].rstrip("x")) for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    colors = [
+        "tab:green" if ("tok/s" in n) == (x >= 1) else "tab:red"
+        for n, x in zip(names, ratios, strict=True)
+    ]
+    ax.barh(names, ratios, color=colors)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("kvmesh / vLLM CPU (tok/s: higher is better; ms: lower is better)")
+    ax.invert_yaxis()
+    ax.set_title(f"kvmesh vs vLLM CPU, {report.machine['cpu']}, {report.machine['cores']} cores")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- entry points --------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small rows, one run each")
+    parser.add_argument(
+        "--rows",
+        nargs="+",
+        default=["offline", "serving", "single", "prefix", "steps"],
+        choices=["offline", "serving", "single", "prefix", "steps"],
+    )
+    parser.add_argument(
+        "--offline-systems",
+        nargs="+",
+        default=["kvmesh", "vllm", "transformers"],
+        choices=["kvmesh", "vllm", "transformers"],
+    )
+    parser.add_argument("--skip-disaggregated", action="store_true")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("child_args", nargs="*", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def child(args: argparse.Namespace) -> None:
+    if args.child == "offline":
+        system, model_dir, spec_path = args.child_args
+        result = offline_child(system, model_dir, json.loads(Path(spec_path).read_text()))
+    else:
+        result = steps_child(args.child_args[0])
+    Path(args.result).write_text(json.dumps(result))
+
+
+def command_line(args: argparse.Namespace) -> str:
+    parts = (
+        ["make bench-peers"]
+        if not sys.argv[1:]
+        else [".venv-vllm/bin/python -m bench.peers", *sys.argv[1:]]
+    )
+    return " ".join(parts)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    if shutil.which("lscpu") is None:
+        raise SystemExit("lscpu is needed to say which CPU the figures came from")
+    console = Console()
+    report = asyncio.run(run(args, console))
+    section = markdown(report, command_line(args))
+    console.print(section)
+    if not args.no_write:
+        write_results("peers", asdict(report))
+        plot(report, RESULTS / "peers.png")
+        write_section(section, BENCHMARKS)
+        console.print(
+            f"wrote {RESULTS}/peers.json, {RESULTS}/peers.png and {HEADING!r} in {BENCHMARKS}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
