@@ -90,6 +90,11 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
         "PORT the gateway's)",
     )
     up.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="the gateway logs one line per request (tenant, model, tokens, TTFT, finish)",
+    )
+    up.add_argument(
         "--worker-arg",
         action="append",
         default=[],
@@ -187,6 +192,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         host=args.host,
         port_offset=args.port_offset,
         state_dir=state_dir,
+        log_requests=args.log_requests,
         worker_args=tuple(args.worker_arg),
         mesh_auth=args.mesh_auth,
         tls=args.tls,

@@ -62,6 +62,8 @@ class StackOptions:
     """Address every service binds and is reached on."""
     state_dir: Path = field(default_factory=lambda: Path(".kvmesh"))
     """Folder for generated files (the router's pools file)."""
+    log_requests: bool = False
+    """The gateway logs one line per finished request."""
     worker_args: tuple[str, ...] = ()
     """Extra flags passed to every worker (e.g. a small KV budget in tests)."""
     mesh_auth: bool = True
@@ -296,6 +298,8 @@ def plan_stack(options: StackOptions) -> list[StackService]:
         gateway_args += ["--tenants", str(options.tenants)]
     if options.redis:
         gateway_args += ["--redis", options.redis]
+    if options.log_requests:
+        gateway_args.append("--log-requests")
     gateway_args += [*mesh_args(options), *tls_args(options, "gateway")]
     gateway = StackService(
         "gateway",

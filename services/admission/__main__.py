@@ -19,6 +19,7 @@ from kvmesh.grpc_server import (
 from kvmesh.tls import tls_of
 from kvmesh.v1 import gateway_pb2_grpc
 from services.admission.config import AdmissionConfig
+from services.admission.gateway import REQUEST_LOG
 from services.admission.servicer import SERVICE_NAME, GatewayServicer
 from services.admission.wiring import build_gateway
 
@@ -65,6 +66,9 @@ async def run(config: AdmissionConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     config = load_config(AdmissionConfig, argv)
     configure_logging(config, "admission")
+    logging.getLogger(REQUEST_LOG).setLevel(
+        logging.INFO if config.log_requests else logging.WARNING
+    )
     asyncio.run(run(local_only(config)))
 
 

@@ -72,3 +72,5 @@ class AdmissionConfig(ServerConfig):
     """Deadline of a response-cache call; slower counts as a miss."""
     cancel_grace_s: float = 2.0
     """Time the router gets to end a cancelled stream before the call is cut."""
+    log_requests: bool = False
+    """Log one line per finished request (tenant, model, tokens, TTFT, finish reason)."""

@@ -45,7 +45,7 @@ from services.admission.downstream import CacheClient, RouterClient
 from services.admission.holdings import Holdings
 from services.admission.idempotency import Claim, IdempotencyStore
 from services.admission.metering import ModelTotals, UsageMeter
-from services.admission.pricing import PriceTable, request_cost
+from services.admission.pricing import PriceTable, TokenCounts, request_cost
 from services.admission.quotas import Quotas, Reservation
 from services.admission.transcript import Transcript, cache_hit_chunks
 from services.admission.validation import (
@@ -57,6 +57,9 @@ from services.admission.validation import (
 )
 
 log = logging.getLogger(__name__)
+REQUEST_LOG = "kvmesh.requests"
+"""The logger of the one line per finished request; INFO only with --log-requests."""
+request_log = logging.getLogger(REQUEST_LOG)
 _tracer = tracer(__name__)
 
 DEADLINE_MARGIN_S = 0.5
@@ -409,6 +412,7 @@ class Gateway:
         metrics.QUEUE_TIME.labels(job.priority.name.lower()).observe(transcript.queue_s)
         reason = common_pb2.FinishReason.Name(finished.finish_reason).removeprefix("FINISH_REASON_")
         metrics.REQUESTS_FINISHED.labels(transcript.model, reason.lower()).inc()
+        log_finished_request(job.tenant.name, transcript, counts, finished, reason.lower())
 
     def _cache_key(self, job: Job) -> cache_pb2.CacheKey | None:
         """The response-cache key, or None when this request must not touch the cache."""
@@ -595,3 +599,30 @@ def _end_span(span: trace.Span, transcript: Transcript) -> None:
             "gen_ai.response.finish_reasons", [reason.removeprefix("FINISH_REASON_").lower()]
         )
     span.end()
+
+
+def log_finished_request(
+    tenant: str,
+    transcript: Transcript,
+    counts: TokenCounts,
+    finished: common_pb2.Finished,
+    reason: str,
+) -> None:
+    """The request's one line: who, which model, how many tokens, how fast, how it ended."""
+    if not request_log.isEnabledFor(logging.INFO):
+        return
+    ttft = f"{finished.timings.ttft_ms:.1f}" if finished.timings.HasField("ttft_ms") else "-"
+    request_log.info(
+        "request %s tenant=%s model=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
+        "ttft_ms=%s e2e_ms=%.1f finish=%s%s",
+        transcript.request_id,
+        tenant,
+        transcript.model,
+        counts.prompt_tokens,
+        counts.cached_prompt_tokens,
+        counts.completion_tokens,
+        ttft,
+        finished.timings.e2e_ms,
+        reason,
+        " response_cache_hit" if transcript.response_cache_hit else "",
+    )

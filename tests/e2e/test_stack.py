@@ -150,6 +150,7 @@ def start_kvmesh_up(model: Path, state: Path, *extra: str) -> RunningStack:
             str(offset),
             "--trace-file",
             str(spans),
+            "--log-requests",
             "--worker-arg=--num-kv-blocks=256",
             "--worker-arg=--num-threads=1",
             *extra,
@@ -230,6 +231,23 @@ def test_cli_and_sdk_return_the_engines_tokens(stack: RunningStack, tiny_llama_d
         result = client.generate(other, max_tokens=MAX_TOKENS, cache_policy="bypass")
     assert result.token_ids == expected_tokens(tiny_llama_dir, other)
     assert result.finish_reason in ("stop", "length")
+
+
+def test_the_gateway_logs_one_line_per_request(stack: RunningStack) -> None:
+    """kvmesh up --log-requests: who, which model, how many tokens, how fast, how it ended."""
+    with kvmesh.SyncClient(stack.gateway) as client:
+        result = client.generate("Logged once", max_tokens=5, cache_policy="bypass")
+
+    def logged() -> list[str]:
+        return [line for line in stack.output if f"request {result.request_id} " in line]
+
+    deadline = time.monotonic() + 10
+    while not logged() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [line] = logged()
+    assert "gateway |" in line and "kvmesh.requests" in line
+    assert f"model={TIER} " in line and f"completion_tokens={len(result.token_ids)} " in line
+    assert f"finish={result.finish_reason}" in line and "ttft_ms=" in line
 
 
 def test_the_openai_door_returns_the_engines_tokens(
