@@ -119,7 +119,7 @@ async def kvmesh_runs(
 ) -> dict[str, Any]:
     import asyncio
 
-    async with running_stack(args) as services:
+    async with running_stack(args, port_offset=1200) as services:
         door = f"http://{next(s for s in services if s.http).address}"
         runs = {}
         for backend in BACKENDS:
