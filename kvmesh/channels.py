@@ -15,12 +15,29 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 """gRPC message size limit in both directions, on channels and servers (KV chunks stay at or
 under 1 MiB)."""
 
+KEEPALIVE_TIME_MS = 10_000
+"""How often channels ping their peer."""
+
+SERVER_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
+    # Pings from callers at KEEPALIVE_TIME_MS are welcome, with or without calls or data
+    # (grpc's defaults would answer them with GOAWAY "too_many_pings").
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_TIME_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    # Fail fast on a dead peer instead of waiting for TCP timeouts.
-    ("grpc.keepalive_time_ms", 10_000),
+    # Fail fast on a dead or frozen peer instead of waiting for TCP timeouts: a ping every
+    # 10 s that must be answered within 5 s, also on a connection with no call (permit) and
+    # while a call sends no data (grpc stops pinging after 2 such pings by default, which
+    # left a frozen worker's calls hanging about 60 s). Servers accept this rate
+    # (SERVER_KEEPALIVE_OPTIONS).
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]

@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import Counter, start_http_server
 
-from kvmesh.channels import MAX_MESSAGE_BYTES
+from kvmesh.channels import MAX_MESSAGE_BYTES, SERVER_KEEPALIVE_OPTIONS
 from kvmesh.config import ServerConfig
 from kvmesh.errors import Internal, InvalidArgument, KvmeshError, Unimplemented
 from kvmesh.mesh_auth import MeshGuard
@@ -260,6 +260,7 @@ class GrpcServer:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.so_reuseport", 0),
+                *SERVER_KEEPALIVE_OPTIONS,
             ],
         )
         for binding in self.bindings:

@@ -175,7 +175,7 @@ class Orchestrator:
         while True:
             attempt, events = self._start(job, self._next_plan(job))
             try:
-                first = await run_unless_cancelled(anext(events, None), cancelled)
+                first = await self._next_batch(job, attempt, events)
                 if first is None and not cancelled.is_set():
                     raise Unavailable(
                         f"{attempt.plan.prefill.address} ended the stream without output"
@@ -313,7 +313,7 @@ class Orchestrator:
                         )
                         return
                 try:
-                    batch = await run_unless_cancelled(anext(events, None), job.cancelled)
+                    batch = await self._next_batch(job, attempt, events)
                 except KvmeshError as error:
                     if not attempt.resumable:
                         raise
@@ -335,6 +335,33 @@ class Orchestrator:
             ) from None
         finally:
             await events.aclose()
+
+    async def _next_batch(
+        self,
+        job: _Job,
+        attempt: _Attempt,
+        events: Coalescer[common_pb2.GenerateEvent],
+    ) -> list[common_pb2.GenerateEvent] | None:
+        """The attempt's next events; None once the caller cancelled. Unavailable when one of
+        its workers leaves the rotation meanwhile: a frozen worker (stopped, not dead) would
+        otherwise hold its calls until HTTP/2 keepalive gives up on the connection."""
+        stop = asyncio.Event()
+        watches = [
+            asyncio.ensure_future(_set_when(waited, stop))
+            for waited in (
+                job.cancelled,
+                *(self.registry.departure(w.address) for w in attempt.plan.workers),
+            )
+        ]
+        try:
+            batch = await run_unless_cancelled(anext(events, None), stop)
+        finally:
+            for watch in watches:
+                watch.cancel()
+        if stop.is_set() and batch is None and not job.cancelled.is_set():
+            gone = [w.address for w in attempt.plan.workers if not w.in_rotation]
+            raise Unavailable(f"{', '.join(gone)} left the rotation (stopped answering)")
+        return batch
 
     async def _attempt_events(
         self,
@@ -478,6 +505,11 @@ class Orchestrator:
         """Waits for the background lease releases (at shutdown)."""
         if self._background:
             await asyncio.wait(self._background, timeout=RELEASE_WAIT_S)
+
+
+async def _set_when(waited: asyncio.Event, then: asyncio.Event) -> None:
+    await waited.wait()
+    then.set()
 
 
 def _downstream_request(

@@ -8,6 +8,7 @@ own decisions before the next Stats refresh shows them.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -98,6 +99,7 @@ class PoolRegistry:
 
     config: PoolsConfig
     _workers: list[WorkerState] = field(default_factory=list)
+    _departures: dict[str, asyncio.Event] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for tier in self.config.tiers:
@@ -197,12 +199,24 @@ class PoolRegistry:
         error: str = "",
     ) -> None:
         """Stores a refresh result: stats on success, None and the error on failure."""
+        was_in_rotation = any(w.healthy for w in self._entries(address))
+        if was_in_rotation and stats is None:
+            self.departure(address).set()
+            del self._departures[address]  # the next time in rotation waits on a fresh one
         for worker in self._entries(address):
             worker.healthy = stats is not None
             worker.last_error = error
             if stats is not None:
                 worker.stats = stats
                 worker.cached_hashes = frozenset(stats.cached_block_hashes)
+
+    def departure(self, address: str) -> asyncio.Event:
+        """Set when the worker at `address` next leaves the rotation (a failed check): the
+        calls running on it then stop waiting for it."""
+        event = self._departures.get(address)
+        if event is None:
+            event = self._departures[address] = asyncio.Event()
+        return event
 
     def _entries(self, address: str) -> Iterable[WorkerState]:
         return (w for w in self._workers if w.address == address)

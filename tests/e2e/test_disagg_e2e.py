@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ import yaml
 from kvmesh.telemetry import TRACE_FILE_ENV
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.procs import ServiceProcess, start_service
-from tests.service.worker_mesh import GREEDY, all_idle, offline, request, worker_args
+from tests.service.worker_mesh import GREEDY, all_idle, offline, request, route, worker_args
 
 PROMPT = list(range(20, 220))  # 200 tokens: 13 blocks, about 106 kB of KV
 KV_SEND_MB_S = "0.1"  # each prefill worker sends KV at 100 kB/s: a pull lasts about a second
@@ -144,6 +146,51 @@ async def _router_span(trace_file: Path, request_id: str) -> dict[str, Any]:
                     return dict(span)
         await asyncio.sleep(0.05)
     raise AssertionError(f"no router.generate span for {request_id} in {trace_file}")
+
+
+async def test_a_frozen_decode_worker_fails_its_stream_within_5_s(stack: Stack) -> None:
+    """SIGSTOP of the decode worker mid-stream (it stops answering but its connections stay
+    open): the router takes it out of rotation and ends the stream UNAVAILABLE with the usage
+    so far within 5 s (before: about 60 s, when HTTP/2 keepalive gave up)."""
+    long_output = common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
+    prompt = PROMPT[:20]
+    frozen_at = 0.0
+    async with grpc.aio.insecure_channel(stack.router.address) as channel:
+        call = router_pb2_grpc.RouterStub(channel).Generate(timeout=60)
+        await call.write(
+            router_pb2.RouteMessage(request=request("freeze-d", prompt, long_output, model="tiny"))
+        )
+        received = 0
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                async for event in call:
+                    received += len(event.chunk.token_ids)
+                    if received and not frozen_at:
+                        os.kill(stack.decode.proc.pid, signal.SIGSTOP)
+                        frozen_at = time.monotonic()
+            failed_after = time.monotonic() - frozen_at
+        finally:
+            os.kill(stack.decode.proc.pid, signal.SIGCONT)
+    assert failed_after < 5.0, failed_after
+    assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = raised.value.details() or ""
+    assert "left the rotation" in details and "usage so far" in details, details
+    # Back in rotation once it answers again: the next request is served.
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            async with grpc.aio.insecure_channel(stack.router.address) as channel:
+                result = await route(
+                    router_pb2_grpc.RouterStub(channel), request("after-freeze", prompt), 30
+                )
+            break
+        except grpc.aio.AioRpcError:
+            assert time.monotonic() < deadline, "the thawed decode worker did not come back"
+            await asyncio.sleep(0.2)
+    assert result.finished.finish_reason in (
+        common_pb2.FINISH_REASON_LENGTH,
+        common_pb2.FINISH_REASON_STOP,
+    )
 
 
 async def test_decode_killed_mid_stream_is_unavailable_and_the_lease_is_freed(
