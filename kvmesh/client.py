@@ -52,8 +52,32 @@ CACHE_POLICIES = {
     "refresh": common_pb2.CACHE_POLICY_REFRESH,
 }
 
-PromptInput = str | Sequence[int] | Sequence[Mapping[str, str]]
-"""Text, token ids, or chat messages ({"role": ..., "content": ...})."""
+PromptInput = str | Sequence[int] | Sequence[Mapping[str, Any]]
+"""Text, token ids, or chat messages ({"role": ..., "content": ...}; an assistant turn may
+carry "tool_calls" (ToolCallInfo items, as a result returned them), a "tool" turn the
+"tool_call_id" its content answers)."""
+TOOL_CHOICE_MODES = {
+    "auto": common_pb2.TOOL_CHOICE_MODE_AUTO,
+    "none": common_pb2.TOOL_CHOICE_MODE_NONE,
+    "required": common_pb2.TOOL_CHOICE_MODE_REQUIRED,
+}
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCallInfo:
+    """One tool call of an answer (finish_reason "tool_calls")."""
+
+    id: str
+    name: str
+    arguments_json: str
+    """The arguments object as JSON text; it validates against the tool's schema."""
+
+    @property
+    def arguments(self) -> Any:
+        return json.loads(self.arguments_json)
+
+    def to_proto(self) -> common_pb2.ToolCall:
+        return common_pb2.ToolCall(id=self.id, name=self.name, arguments_json=self.arguments_json)
 
 
 @dataclass(slots=True, frozen=True)
@@ -108,7 +132,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     finish_reason: str
-    """"stop", "length", "abort", "deadline" or "error"."""
+    """"stop", "length", "abort", "deadline", "error" or "tool_calls"."""
     model: str
     """The tier that served the request."""
     request_id: str
@@ -123,6 +147,8 @@ class GenerationResult:
     e2e_ms: float = 0.0
     placement_reason: str = ""
     error_message: str = ""
+    tool_calls: list[ToolCallInfo] = field(default_factory=list)
+    """The parsed calls when finish_reason is "tool_calls"."""
 
     def to_json(self) -> dict[str, Any]:
         """The CLI's --json object."""
@@ -184,12 +210,17 @@ def build_request(
     choice: Sequence[str] | None = None,
     grammar: str | None = None,
     grammar_notation: str = "ebnf",
+    tools: Sequence[Mapping[str, Any]] = (),
+    tool_choice: str = "auto",
 ) -> gateway_pb2.GenerateRequest:
     """The GenerateRequest for these arguments (ValueError for an unknown priority or policy,
     or for more than one output constraint).
 
     At most one constraint shapes the answer: a JSON Schema (text or a dict), any JSON object,
-    a regex, a choice of strings, or a grammar (`grammar_notation` "ebnf" or "lark")."""
+    a regex, a choice of strings, or a grammar (`grammar_notation` "ebnf" or "lark").
+
+    `tools` (chat prompts only): {"name", "description", "parameters": JSON Schema dict};
+    `tool_choice` "auto", "none", "required", or the name of the tool to call."""
     if priority not in PRIORITIES:
         raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}")
     if cache_policy not in CACHE_POLICIES:
@@ -204,11 +235,16 @@ def build_request(
     _set_unsigned(sampling, "seed", seed, UINT64_MAX)
     _set_unsigned(sampling, "logprobs", logprobs, UINT32_MAX)
     _set_constraint(sampling, json_schema, json_object, regex, choice, grammar, grammar_notation)
+    built_prompt = _prompt(prompt)
+    if tools:
+        if not built_prompt.HasField("chat"):
+            raise ValueError("tools need a chat prompt (a list of messages)")
+        _set_tools(built_prompt.chat, tools, tool_choice)
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
         idempotency_key=idempotency_key,
         model=model,
-        prompt=_prompt(prompt),
+        prompt=built_prompt,
         sampling=sampling,
         priority=PRIORITIES[priority],  # type: ignore[arg-type]
         cache_policy=CACHE_POLICIES[cache_policy],  # type: ignore[arg-type]
@@ -279,15 +315,45 @@ def _prompt(prompt: PromptInput) -> common_pb2.Prompt:
         return common_pb2.Prompt(text=prompt)
     items: list[Any] = list(prompt)
     if items and all(isinstance(item, Mapping) for item in items):
-        messages = [
-            common_pb2.ChatMessage(role=str(m["role"]), content=str(m["content"])) for m in items
-        ]
+        messages = [_chat_message(m) for m in items]
         return common_pb2.Prompt(
             chat=common_pb2.ChatMessages(messages=messages, add_generation_prompt=True)
         )
     if all(isinstance(item, int) for item in items):
         return common_pb2.Prompt(token_ids=common_pb2.TokenIds(ids=items))
     raise TypeError("prompt must be text, a list of token ids, or a list of chat messages")
+
+
+def _chat_message(message: Mapping[str, Any]) -> common_pb2.ChatMessage:
+    calls = [
+        call.to_proto() if isinstance(call, ToolCallInfo) else common_pb2.ToolCall(**call)
+        for call in message.get("tool_calls", ())
+    ]
+    return common_pb2.ChatMessage(
+        role=str(message["role"]),
+        content=str(message.get("content", "")),
+        tool_calls=calls,
+        tool_call_id=str(message.get("tool_call_id", "")),
+    )
+
+
+def _set_tools(
+    chat: common_pb2.ChatMessages, tools: Sequence[Mapping[str, Any]], tool_choice: str
+) -> None:
+    for tool in tools:
+        parameters = tool.get("parameters")
+        chat.tools.append(
+            common_pb2.ToolDefinition(
+                name=str(tool["name"]),
+                description=str(tool.get("description", "")),
+                parameters_json_schema="" if parameters is None else json.dumps(parameters),
+            )
+        )
+    if tool_choice in TOOL_CHOICE_MODES:
+        chat.tool_choice.mode = TOOL_CHOICE_MODES[tool_choice]
+    else:
+        chat.tool_choice.mode = common_pb2.TOOL_CHOICE_MODE_NAMED
+        chat.tool_choice.name = tool_choice
 
 
 @dataclass(slots=True)
@@ -433,6 +499,10 @@ class GenerationStream:
             e2e_ms=finished.timings.e2e_ms,
             placement_reason=started.placement.reason,
             error_message=finished.error_message,
+            tool_calls=[
+                ToolCallInfo(call.id, call.name, call.arguments_json)
+                for call in finished.tool_calls
+            ],
         )
 
 

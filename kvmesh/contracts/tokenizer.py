@@ -76,22 +76,30 @@ class Tokenizer:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         return list(
             self.backend.encode(
-                self.render_chat(messages, add_generation_prompt), add_special_tokens=False
+                self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False
             ).ids
         )
 
     def render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The chat template's text, rendered the way transformers renders it."""
+        """The chat template's text, rendered the way transformers renders it (tools: the
+        OpenAI-style tool list, for templates that render it)."""
         if self._template is None:
             raise ValueError("this model has no chat template; send a plain prompt")
         return self._template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",

@@ -93,6 +93,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """The caller's deadline passed; the partial output is returned."""
     FINISH_REASON_ERROR: _FinishReason.ValueType  # 5
     """The request failed; see the error message beside it."""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 6
+    """The answer is a tool call (Finished.tool_calls holds it, parsed)."""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why a sequence stopped."""
@@ -109,6 +111,8 @@ FINISH_REASON_DEADLINE: FinishReason.ValueType  # 4
 """The caller's deadline passed; the partial output is returned."""
 FINISH_REASON_ERROR: FinishReason.ValueType  # 5
 """The request failed; see the error message beside it."""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 6
+"""The answer is a tool call (Finished.tool_calls holds it, parsed)."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 class _GrammarNotation:
@@ -136,6 +140,38 @@ GRAMMAR_NOTATION_EBNF: GrammarNotation.ValueType  # 1
 GRAMMAR_NOTATION_LARK: GrammarNotation.ValueType  # 2
 """Lark (as llguidance reads it); the start rule is `start`."""
 Global___GrammarNotation: _TypeAlias = GrammarNotation  # noqa: Y015
+
+class _ToolChoiceMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ToolChoiceModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ToolChoiceMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ToolChoiceMode.ValueType  # 0
+    """Not set: AUTO when tools are given."""
+    TOOL_CHOICE_MODE_AUTO: _ToolChoiceMode.ValueType  # 1
+    """The model decides between text and a call (not supported yet: refused)."""
+    TOOL_CHOICE_MODE_NONE: _ToolChoiceMode.ValueType  # 2
+    """Text only; the tools are still shown."""
+    TOOL_CHOICE_MODE_REQUIRED: _ToolChoiceMode.ValueType  # 3
+    """The answer is a call of one of the tools."""
+    TOOL_CHOICE_MODE_NAMED: _ToolChoiceMode.ValueType  # 4
+    """The answer is a call of the tool ToolChoice.name names."""
+
+class ToolChoiceMode(_ToolChoiceMode, metaclass=_ToolChoiceModeEnumTypeWrapper):
+    """Whether and which tool the model must call."""
+
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode.ValueType  # 0
+"""Not set: AUTO when tools are given."""
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.ValueType  # 1
+"""The model decides between text and a call (not supported yet: refused)."""
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode.ValueType  # 2
+"""Text only; the tools are still shown."""
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.ValueType  # 3
+"""The answer is a call of one of the tools."""
+TOOL_CHOICE_MODE_NAMED: ToolChoiceMode.ValueType  # 4
+"""The answer is a call of the tool ToolChoice.name names."""
+Global___ToolChoiceMode: _TypeAlias = ToolChoiceMode  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):
@@ -306,23 +342,119 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """"system", "user" or "assistant"."""
+    """"system", "user", "assistant" or "tool"."""
     content: _builtins.str
-    """The turn's text."""
+    """The turn's text (a tool turn: the tool's result)."""
+    tool_call_id: _builtins.str
+    """A tool turn: the id of the call whose result `content` is."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """An assistant turn's tool calls, as a Finished event returned them."""
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ToolDefinition(_message.Message):
+    """A tool (function) the model may call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The tool's name ([A-Za-z0-9_-], 1-64 characters), unique among the request's tools."""
+    description: _builtins.str
+    """What the tool does, shown to the model."""
+    parameters_json_schema: _builtins.str
+    """JSON Schema (JSON text) of the call's arguments object; empty: any object."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters_json_schema: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters_json_schema", b"parameters_json_schema"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolDefinition: _TypeAlias = ToolDefinition  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """The tool choice of a chat request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    mode: Global___ToolChoiceMode.ValueType
+    """Whether a call is required, and of which tool."""
+    name: _builtins.str
+    """The tool to call when mode is NAMED."""
+    def __init__(
+        self,
+        *,
+        mode: Global___ToolChoiceMode.ValueType = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """One tool call the model made."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_JSON_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Unique id of the call ("call_" + hex), quoted back by the tool turn carrying its result."""
+    name: _builtins.str
+    """The tool called."""
+    arguments_json: _builtins.str
+    """The arguments, a JSON object as text; it validates against the tool's schema."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
 
 @_typing.final
 class ChatMessages(_message.Message):
@@ -332,21 +464,36 @@ class ChatMessages(_message.Message):
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     add_generation_prompt: _builtins.bool
     """Append the assistant header so the model answers (the usual case)."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """The turns in order."""
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolDefinition]:
+        """Tools the model may call: rendered by the chat template when it takes tools, else in
+        kvmesh's own format (docs/tool_calls.md). A call is produced under a grammar, so it
+        always parses and validates.
+        """
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice:
+        """Whether a call is required, and of which tool."""
+
     def __init__(
         self,
         *,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
         add_generation_prompt: _builtins.bool = ...,
+        tools: _abc.Iterable[Global___ToolDefinition] | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "messages", b"messages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_generation_prompt", b"add_generation_prompt", "messages", b"messages", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -772,6 +919,7 @@ class Finished(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     finish_reason: Global___FinishReason.ValueType
     """Why generation stopped."""
     error_message: _builtins.str
@@ -784,6 +932,10 @@ class Finished(_message.Message):
     def timings(self) -> Global___Timings:
         """Where the time went."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """When finish_reason is TOOL_CALLS: the calls, parsed from the answer's text."""
+
     def __init__(
         self,
         *,
@@ -791,10 +943,11 @@ class Finished(_message.Message):
         usage: Global___Usage | None = ...,
         timings: Global___Timings | None = ...,
         error_message: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "finish_reason", b"finish_reason", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_message", b"error_message", "finish_reason", b"finish_reason", "timings", b"timings", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

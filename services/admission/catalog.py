@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvmesh.contracts.sampling import AUTO_MODEL
 from kvmesh.contracts.tokenizer import Tokenizer
@@ -28,13 +28,17 @@ class TokenizerLike(Protocol):
     vocab_size: int
     max_token_chars: int
     """The most characters of text one token stands for."""
+    chat_template: str | None
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]: ...
 
 

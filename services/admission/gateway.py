@@ -18,10 +18,12 @@ from typing import Any
 
 from opentelemetry import trace
 
+from kvmesh.contracts.constraints import checked_constraint
 from kvmesh.contracts.sampling import AUTO_MODEL, is_deterministic
 from kvmesh.errors import (
     AlreadyExists,
     DeadlineExceeded,
+    InvalidArgument,
     KvmeshError,
     NotFound,
     QuotaViolation,
@@ -47,6 +49,7 @@ from services.admission.idempotency import Claim, IdempotencyStore
 from services.admission.metering import ModelTotals, UsageMeter
 from services.admission.pricing import PriceTable, TokenCounts, request_cost
 from services.admission.quotas import Quotas, Reservation
+from services.admission.tool_calls import parse_call, plan_tools
 from services.admission.transcript import Transcript, cache_hit_chunks
 from services.admission.validation import (
     RequestLimits,
@@ -96,6 +99,8 @@ class Job:
     labels: dict[str, str]
     stop_at: float | None
     """time.monotonic() at which the request must end, with a margin before the deadline."""
+    answers_with_a_call: bool = False
+    """The answer is constrained to a tool call and is returned parsed (tool_calls.py)."""
 
     @property
     def budget_tokens(self) -> int:
@@ -197,15 +202,16 @@ class Gateway:
         priority = envelope.priority if envelope.priority is not None else tenant.highest_priority
         authorize_priority(tenant, priority)
         tokenizer = await self.catalog.tokenizer(model)
+        tools = plan_tools(request.prompt.chat) if request.prompt.HasField("chat") else None
         if prompt_chars(request.prompt) > INLINE_TOKENIZE_CHARS:
             # Off the event loop, and at most TOKENIZING_PER_TENANT of a tenant's at once: a
             # stream of long prompts holds a few threads, not the gateway.
             async with self._tokenizing_slot(tenant.name):
                 prompt_ids = await asyncio.to_thread(
-                    prompt_token_ids, request.prompt, tokenizer, model
+                    prompt_token_ids, request.prompt, tokenizer, model, tools
                 )
         else:
-            prompt_ids = prompt_token_ids(request.prompt, tokenizer, model)
+            prompt_ids = prompt_token_ids(request.prompt, tokenizer, model, tools)
         sampling = checked_sampling(
             request.sampling,
             prompt_tokens=len(prompt_ids),
@@ -213,6 +219,14 @@ class Gateway:
             vocab_size=tokenizer.vocab_size,
             limits=self.limits,
         )
+        answer_schema = tools.answer_schema if tools is not None else None
+        if answer_schema is not None:
+            if sampling.WhichOneof("constraint") is not None:
+                raise InvalidArgument(
+                    "sampling", "a required tool call constrains the answer: set no constraint"
+                )
+            sampling.json_schema = answer_schema
+            checked_constraint(sampling)  # the tools' schemas are bounded like any schema
         return Job(
             tenant=tenant,
             request_id=request.request_id or uuid.uuid4().hex,
@@ -224,6 +238,7 @@ class Gateway:
             cache_policy=envelope.cache_policy,
             labels=dict(request.labels),
             stop_at=_stop_at(arrived, time_remaining_s),
+            answers_with_a_call=answer_schema is not None,
         )
 
     async def _admit_and_run(
@@ -272,6 +287,8 @@ class Gateway:
             and self._stored_tier(job, transcript)
         ):
             await self._store(key, transcript)
+        if job.answers_with_a_call:
+            _as_tool_call(transcript)
         yield common_pb2.GenerateEvent(finished=transcript.finished)
 
     async def _produce(
@@ -555,6 +572,16 @@ def mesh_request_id(tenant: str, request_id: str) -> str:
     """The id the mesh knows a request by: the client's id within its tenant's namespace, so
     two tenants' ids never collide (tenant names hold no '/')."""
     return f"{tenant}/{request_id}"
+
+
+def _as_tool_call(transcript: Transcript) -> None:
+    """A complete answer produced under the call schema becomes its parsed ToolCall and the
+    TOOL_CALLS finish reason; one cut short (LENGTH, ...) stays as it is: it does not parse."""
+    finished = transcript.finished
+    if finished is None or finished.finish_reason != common_pb2.FINISH_REASON_STOP:
+        return
+    finished.tool_calls.append(parse_call("".join(transcript.text)))
+    finished.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
 
 
 def _stop_at(arrived: float, time_remaining_s: float | None) -> float | None:

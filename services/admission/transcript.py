@@ -18,7 +18,13 @@ from services.admission.pricing import TokenCounts
 CACHE_HIT_CHUNK_TOKENS = 16
 """Tokens per chunk when a response-cache hit is streamed."""
 
-RESULT_REASONS = frozenset({common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH})
+RESULT_REASONS = frozenset(
+    {
+        common_pb2.FINISH_REASON_STOP,
+        common_pb2.FINISH_REASON_LENGTH,
+        common_pb2.FINISH_REASON_TOOL_CALLS,
+    }
+)
 """Finish reasons of a complete answer (cacheable, and replayed for an idempotency key)."""
 
 

@@ -23,8 +23,9 @@ from kvmesh.request_limits import (
 from kvmesh.tenants import PriorityClass
 from kvmesh.v1 import common_pb2, gateway_pb2
 from services.admission.catalog import ModelSpec, TokenizerLike
+from services.admission.tool_calls import ToolPlan, chat_turns, template_takes_tools
 
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_CHAT_MESSAGES = 512
 
 _PRIORITIES = {
@@ -81,7 +82,10 @@ def _check_short_text(value: str, field: str, limit: int) -> None:
 
 
 def prompt_token_ids(
-    prompt: common_pb2.Prompt, tokenizer: TokenizerLike, model: ModelSpec
+    prompt: common_pb2.Prompt,
+    tokenizer: TokenizerLike,
+    model: ModelSpec,
+    tools: ToolPlan | None = None,
 ) -> list[int]:
     """The prompt as token ids: text encoded, chat rendered with the template, ids checked."""
     kind = prompt.WhichOneof("input")
@@ -93,10 +97,14 @@ def prompt_token_ids(
             raise InvalidArgument("prompt.text", "empty prompt")
         ids = tokenizer.encode(prompt.text)
     elif kind == "chat":
-        messages = _chat_messages(prompt.chat)
+        _check_chat(prompt.chat)
+        native = tools is not None and template_takes_tools(tokenizer.chat_template)
+        messages = chat_turns(prompt.chat, tools, native)
         try:
             ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=prompt.chat.add_generation_prompt
+                messages,
+                add_generation_prompt=prompt.chat.add_generation_prompt,
+                tools=tools.tools if tools is not None and native else None,
             )
         except (ValueError, jinja2.TemplateError) as error:
             # No template, or the template refused the conversation (raise_exception).
@@ -150,7 +158,7 @@ def _check_prompt_size(
         )
 
 
-def _chat_messages(chat: common_pb2.ChatMessages) -> list[dict[str, str]]:
+def _check_chat(chat: common_pb2.ChatMessages) -> None:
     if not chat.messages:
         raise InvalidArgument("prompt.chat.messages", "empty conversation")
     if len(chat.messages) > MAX_CHAT_MESSAGES:
@@ -161,9 +169,8 @@ def _chat_messages(chat: common_pb2.ChatMessages) -> list[dict[str, str]]:
                 f"prompt.chat.messages[{index}].role",
                 f"unknown role {message.role!r} (expected one of {', '.join(sorted(CHAT_ROLES))})",
             )
-    if not any(m.content for m in chat.messages):
+    if not any(m.content or m.tool_calls for m in chat.messages):
         raise InvalidArgument("prompt.chat.messages", "every message is empty")
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
 def checked_sampling(

@@ -895,3 +895,59 @@ async def test_oversized_prompts_are_refused_before_any_work(mesh: Mesh) -> None
     assert max(waits) < 1.0, waits
     assert result.usage.completion_tokens > 0
     assert rss_mb(mesh.gateway) - before < 100
+
+
+# Small: the tiny model's context is 512 tokens, and its tokenizer spends about one a character.
+WEATHER_TOOL = {
+    "name": "weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+CLOCK_TOOL = {
+    "name": "clock",
+    "parameters": {
+        "type": "object",
+        "properties": {"h": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["h"],
+    },
+}
+
+
+async def test_a_tool_call_round_trip_through_the_sdk(mesh: Mesh) -> None:
+    """required and named: the answer is a parsed call whose arguments validate; the call and
+    its result go back as assistant and tool turns and the conversation continues."""
+    schemas = {t["name"]: t["parameters"] for t in (WEATHER_TOOL, CLOCK_TOOL)}
+    question = [{"role": "user", "content": unique("Weather?")}]
+    async with mesh.client() as client:
+        required = await client.generate(
+            question, max_tokens=60, tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice="required"
+        )
+        named = await client.generate(
+            question, max_tokens=60, tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice="clock"
+        )
+        free = await client.generate(question, max_tokens=6, tools=[CLOCK_TOOL], tool_choice="none")
+        with pytest.raises(InvalidArgument, match=r"prompt\.chat\.tool_choice"):
+            await client.generate(question, max_tokens=6, tools=[WEATHER_TOOL])
+        (call,) = named.tool_calls
+        conversation: list[dict[str, Any]] = [
+            *question,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "12:00", "tool_call_id": call.id},
+        ]
+        after = await client.generate(
+            conversation, max_tokens=6, tools=[CLOCK_TOOL], tool_choice="none"
+        )
+    for result in (required, named):
+        assert result.finish_reason == "tool_calls", result.text
+        (made,) = result.tool_calls
+        assert made.id.startswith("call_") and made.name in schemas
+        jsonschema.validate(made.arguments, schemas[made.name])
+    assert named.tool_calls[0].name == "clock"
+    assert free.finish_reason in ("length", "stop") and not free.tool_calls
+    assert after.finish_reason in ("length", "stop") and after.usage.completion_tokens > 0
+    assert after.usage.prompt_tokens > free.usage.prompt_tokens
+    assert (await worker_stats(mesh)).kv_blocks_free == KV_BLOCKS

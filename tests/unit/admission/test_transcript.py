@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from kvmesh.v1 import cache_pb2, common_pb2
 from services.admission.transcript import CACHE_HIT_CHUNK_TOKENS, cache_hit_chunks
@@ -13,6 +14,7 @@ class WordTokenizer:
 
     vocab_size = 1000
     max_token_chars = 5
+    chat_template: str | None = None
 
     def encode(self, text: str) -> list[int]:
         return [int(w[1:]) for w in text.split()]
@@ -21,7 +23,10 @@ class WordTokenizer:
         return "".join(f"w{i} " for i in ids)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         return []
 

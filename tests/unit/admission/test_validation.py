@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,7 @@ class CharTokenizer:
 
     vocab_size = 1000
     max_token_chars = 1
+    chat_template: str | None = None
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) % self.vocab_size for c in text]
@@ -32,7 +34,10 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if any(m["content"] == "refuse" for m in messages):
             raise ValueError("the template refused this conversation")
@@ -196,7 +201,10 @@ class RefusingTokenizer(CharTokenizer):
         raise AssertionError("tokenized a prompt that cannot fit the context")
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         raise AssertionError("rendered a chat that cannot fit the context")
 
