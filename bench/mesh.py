@@ -40,7 +40,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from bench.report import RESULTS, repeat_command, write_results, write_section
+from bench.report import (
+    RESULTS,
+    repeat_command,
+    save_figure,
+    with_quick_defaults,
+    write_results,
+    write_section,
+)
 from kvmesh.bench_report import RequestResult, Slo, summarize
 from kvmesh.contracts.tokenizer import Tokenizer
 from kvmesh.loadgen import LoadSpec, build_requests, run_load
@@ -370,10 +377,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=8)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"mesh vs in-process engine, {report['model']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"mesh vs in-process engine, {report['model']}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -387,12 +391,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=None, help="default 64, quick 32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args(argv)
-    defaults = {"requests": (32, 8), "sequential_requests": (8, 3), "output_tokens": (64, 32)}
-    for name, (full, quick) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    return args
+    return with_quick_defaults(
+        parser.parse_args(argv),
+        {"requests": (32, 8), "sequential_requests": (8, 3), "output_tokens": (64, 32)},
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

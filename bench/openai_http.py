@@ -35,7 +35,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.mesh import OnDone, advancing, running_stack
-from bench.report import RESULTS, repeat_command, write_results, write_section
+from bench.report import (
+    RESULTS,
+    repeat_command,
+    save_figure,
+    with_quick_defaults,
+    write_results,
+    write_section,
+)
 from kvmesh.bench_report import RequestResult, Slo, summarize
 from kvmesh.loadgen import LoadSpec, build_requests, run_load
 from kvmesh.v1 import gateway_pb2
@@ -298,10 +305,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     )
     for ax in (left, right):
         ax.tick_params(labelsize=8)
-    fig.suptitle(f"OpenAI HTTP door vs gRPC door, {report['model']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"OpenAI HTTP door vs gRPC door, {report['model']}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -315,12 +319,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-words", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=None, help="default 32, quick 16")
     parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args(argv)
-    defaults = {"sequential_requests": (40, 8), "requests": (64, 32), "output_tokens": (32, 16)}
-    for name, (full, quick) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    return args
+    return with_quick_defaults(
+        parser.parse_args(argv),
+        {"sequential_requests": (40, 8), "requests": (64, 32), "output_tokens": (32, 16)},
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -71,3 +71,24 @@ def repeat_command(
         if name not in ("quick", "no_write") and value != getattr(defaults, name):
             flags.append(f"--{name.replace('_', '-')} {value}")
     return " ".join([f"python -m {module}", *flags])
+
+
+def with_quick_defaults(
+    args: argparse.Namespace, defaults: dict[str, tuple[int, int]]
+) -> argparse.Namespace:
+    """Fills each unset option NAME with its (full, --quick) default."""
+    for name, (full, quick) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
+def save_figure(fig: Any, path: Path, title: str) -> None:
+    """Writes a matplotlib figure as a PNG, its title above the panels, and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -29,7 +29,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.mesh import PORT_OFFSET, advancing, running_stack, specs, warmup_spec
-from bench.report import RESULTS, repeat_command, write_results, write_section
+from bench.report import (
+    RESULTS,
+    repeat_command,
+    save_figure,
+    with_quick_defaults,
+    write_results,
+    write_section,
+)
 from kvmesh.bench_report import RequestResult, Slo, summarize
 from kvmesh.loadgen import run_load
 
@@ -181,10 +188,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.bar(["plaintext", "TLS"], [off, on], color=["C7", "C0"])
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=8)
-    fig.suptitle(f"mutual TLS on every hop, {report['model']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"mutual TLS on every hop, {report['model']}")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -201,12 +205,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print only")
-    args = parser.parse_args(argv)
-    defaults = {"requests": (32, 8), "sequential_requests": (20, 5), "output_tokens": (64, 32)}
-    for name, (full, quick) in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
-    return args
+    return with_quick_defaults(
+        parser.parse_args(argv),
+        {"requests": (32, 8), "sequential_requests": (20, 5), "output_tokens": (64, 32)},
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

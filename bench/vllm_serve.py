@@ -30,7 +30,7 @@ from rich.console import Console
 
 from bench.mesh import running_stack
 from bench.openai_http import cpu_name
-from bench.report import RESULTS, repeat_command, write_results, write_section
+from bench.report import RESULTS, repeat_command, save_figure, write_results, write_section
 
 HEADING = "## vllm bench serve"
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -212,10 +212,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.tick_params(labelsize=8)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"vllm bench serve: kvmesh's OpenAI door vs vllm serve, {report['model']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(
+        fig, path, f"vllm bench serve: kvmesh's OpenAI door vs vllm serve, {report['model']}"
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
