@@ -168,11 +168,16 @@ def gateway_port_of(target: str) -> int:
     return int(port)
 
 
+def target_state_dir(target: str | None) -> Path:
+    """The state folder of the stack whose gateway `target` (or $KVMESH_TARGET) names."""
+    return default_state_dir(gateway_port_of(resolve_target(target)))
+
+
 def state_dir_of(args: argparse.Namespace) -> Path:
     """--state-dir, else the state folder of the stack whose gateway --target names."""
     if args.state_dir is not None:
         return Path(args.state_dir)
-    return default_state_dir(gateway_port_of(resolve_target(args.target)))
+    return target_state_dir(args.target)
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -248,7 +253,7 @@ def router_of(args: argparse.Namespace) -> str:
     """--router, else the router of the running stack whose gateway --target names."""
     if args.router:
         return str(args.router)
-    recorded = read_stack_file(default_state_dir(gateway_port_of(resolve_target(args.target))))
+    recorded = read_stack_file(target_state_dir(args.target))
     return recorded["router"] if recorded else DEFAULT_ROUTER
 
 

@@ -205,11 +205,8 @@ def port_in_use_message(host: str, port: int, flag: str) -> str:
     return f"cannot listen on {host}:{port}: the port is in use (choose another with {flag})"
 
 
-def ensure_port_free(host: str, port: int, flag: str) -> None:
-    """OSError naming the port when something already listens there. Checked before grpc
-    binds, because grpc's own failure is a RuntimeError plus a C-core log line."""
-    if port == 0:
-        return
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why host:port cannot be listened on now (EADDRINUSE: something listens there), or None."""
     family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         # As grpc does: a port whose last connections linger in TIME_WAIT is free to listen on.
@@ -217,9 +214,19 @@ def ensure_port_free(host: str, port: int, flag: str) -> None:
         try:
             probe.bind((host.strip("[]"), port))
         except OSError as error:
-            if error.errno == errno.EADDRINUSE:
-                raise OSError(port_in_use_message(host, port, flag)) from None
-            raise
+            return error
+    return None
+
+
+def ensure_port_free(host: str, port: int, flag: str) -> None:
+    """OSError naming the port when something already listens there. Checked before grpc
+    binds, because grpc's own failure is a RuntimeError plus a C-core log line."""
+    error = bind_error(host, port) if port else None
+    if error is None:
+        return
+    if error.errno == errno.EADDRINUSE:
+        raise OSError(port_in_use_message(host, port, flag))
+    raise error
 
 
 @dataclass

@@ -15,12 +15,11 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.grpc_server import READY_PREFIX
+from kvmesh.grpc_server import READY_PREFIX, bind_error
 from kvmesh.stack import StackService
 
 _PR_SET_PDEATHSIG = 1
@@ -42,14 +41,8 @@ def _die_with_parent() -> None:
 
 
 def port_in_use(host: str, port: int) -> bool:
-    """True when something already listens on host:port."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return True
-    return False
+    """True when host:port cannot be listened on (something already listens there)."""
+    return bind_error(host, port) is not None
 
 
 @dataclass
