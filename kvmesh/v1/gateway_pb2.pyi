@@ -265,6 +265,7 @@ class ModelInfo(_message.Message):
     CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     AVAILABLE_FIELD_NUMBER: _builtins.int
     FALLBACK_FIELD_NUMBER: _builtins.int
+    SERVICE_RATES_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Tier id used in GenerateRequest.model (e.g. "smollm2-135m")."""
     base_model: _builtins.str
@@ -285,6 +286,12 @@ class ModelInfo(_message.Message):
     """At least one healthy worker serves it now."""
     fallback: _builtins.str
     """Tier that takes this tier's requests when it has no healthy worker (empty: none)."""
+    @_builtins.property
+    def service_rates(self) -> Global___ServiceRates:
+        """How fast the tier's workers in rotation serve one request now, as the router measures
+        its calls to them; unset until the router has measured any.
+        """
+
     def __init__(
         self,
         *,
@@ -298,14 +305,53 @@ class ModelInfo(_message.Message):
         context_length: _builtins.int = ...,
         available: _builtins.bool = ...,
         fallback: _builtins.str = ...,
+        service_rates: Global___ServiceRates | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["service_rates", b"service_rates"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "base_model", b"base_model", "context_length", b"context_length", "fallback", b"fallback", "fingerprint", b"fingerprint", "id", b"id", "quantization", b"quantization", "tokens_per_second", b"tokens_per_second", "usd_per_1k_tokens", b"usd_per_1k_tokens", "usd_per_gpu_hour", b"usd_per_gpu_hour"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["available", b"available", "base_model", b"base_model", "context_length", b"context_length", "fallback", b"fallback", "fingerprint", b"fingerprint", "id", b"id", "quantization", b"quantization", "service_rates", b"service_rates", "tokens_per_second", b"tokens_per_second", "usd_per_1k_tokens", b"usd_per_1k_tokens", "usd_per_gpu_hour", b"usd_per_gpu_hour"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class ServiceRates(_message.Message):
+    """The time one request takes on a tier's workers, as the router measures it (its Prefill
+    calls, colocated first tokens and the gaps between tokens of its streams), averaged over the
+    workers in rotation: a request of P uncached prompt tokens and N output tokens takes about
+    prefill_base_ms + P * prefill_ms_per_token + (N - 1) * decode_ms_per_token.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFILL_BASE_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    DECODE_MS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    prefill_base_ms: _builtins.float
+    """Time to the first token that does not grow with the prompt (queueing in the worker
+    included), milliseconds.
+    """
+    prefill_ms_per_token: _builtins.float
+    """Time to the first token per uncached prompt token, milliseconds."""
+    decode_ms_per_token: _builtins.float
+    """Time between two output tokens of one sequence at the workers' present load,
+    milliseconds.
+    """
+    def __init__(
+        self,
+        *,
+        prefill_base_ms: _builtins.float = ...,
+        prefill_ms_per_token: _builtins.float = ...,
+        decode_ms_per_token: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ms_per_token", b"decode_ms_per_token", "prefill_base_ms", b"prefill_base_ms", "prefill_ms_per_token", b"prefill_ms_per_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServiceRates: _TypeAlias = ServiceRates  # noqa: Y015
 
 @_typing.final
 class ListModelsResponse(_message.Message):

@@ -1,17 +1,21 @@
 """Admission control: a bounded priority queue in front of the router.
 
-At most `max_in_flight` requests run toward the router at once, and batch requests may hold
-at most `batch_max_in_flight` of those slots, so an interactive request always finds a slot
-soon. A freed slot goes to the oldest interactive waiter first, then to the oldest batch
-waiter. A request is shed at once (ResourceExhausted with a retry-after) when its class's
-queue is full or when the expected wait would outlast its deadline, instead of waiting for a
-deadline it cannot meet.
+At most the concurrency limit's requests run toward the router at once (limiter.py: fixed at
+`max_in_flight`, or adaptive and bounded by it), and batch requests may hold at most their
+share of those slots (`batch_max_in_flight / max_in_flight`), so an interactive request
+always finds a slot soon. A freed slot goes to the oldest interactive waiter first, then to
+the oldest batch waiter: batch work yields to interactive work. A request that finds no free
+slot is shed at once (ResourceExhausted with a retry-after) when its class's queue is full or
+when the expected wait plus its expected service time would outlast its deadline
+(shedding.py); a waiter whose slot comes too late to finish in time is not started but ends
+with DeadlineExceeded. A request that finds a free slot takes it: it holds up nobody.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -20,11 +24,11 @@ from dataclasses import dataclass, field
 from kvmesh.errors import DeadlineExceeded, ResourceExhausted
 from kvmesh.tenants import PriorityClass
 from services.admission import metrics
+from services.admission.limiter import ConcurrencyLimit, FixedLimit
+from services.admission.shedding import MIN_RETRY_S, judge
 
 _SMOOTHING = 0.2
 """Weight of the newest sample in the moving average of slot hold times."""
-
-_MIN_RETRY_S = 0.05
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,13 +51,6 @@ class QueueLimits:
     def queue_size(self, priority: PriorityClass) -> int:
         return self.interactive_queue if priority is PriorityClass.INTERACTIVE else self.batch_queue
 
-    def slots(self, priority: PriorityClass) -> int:
-        return (
-            self.max_in_flight
-            if priority is PriorityClass.INTERACTIVE
-            else (self.batch_max_in_flight)
-        )
-
 
 @dataclass(slots=True)
 class Ticket:
@@ -63,18 +60,41 @@ class Ticket:
     admitted_at: float
     queued_s: float
     released: bool = field(default=False)
+    output_tokens: int = 0
+    """Tokens of the request's whole answer, set before release: the limit learns its
+    latency per token (0: nothing to learn, e.g. a cancelled request)."""
+    dropped: bool = False
+    """The request failed for load (missed its deadline, failed downstream)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """A request queued for a slot."""
+
+    future: asyncio.Future[None]
+    deadline: float | None
+    service_s: float | None
 
 
 class AdmissionQueue:
     """Hands out in-flight slots by priority; see the module docstring for the rules."""
 
-    def __init__(self, limits: QueueLimits, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        limits: QueueLimits,
+        limiter: ConcurrencyLimit | None = None,
+        *,
+        service_aware: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`service_aware`: the expected service time a request comes with counts toward
+        shedding it (else only the wait does, as with `--admission fixed`)."""
         self.limits = limits
+        self.limiter = limiter if limiter is not None else FixedLimit(limits.max_in_flight)
+        self.service_aware = service_aware
         self._clock = clock
         self._running = dict.fromkeys(PriorityClass, 0)
-        self._waiting: dict[PriorityClass, deque[asyncio.Future[None]]] = {
-            p: deque() for p in PriorityClass
-        }
+        self._waiting: dict[PriorityClass, deque[_Waiter]] = {p: deque() for p in PriorityClass}
         self._hold_s: float | None = None
         """Moving average of how long a request holds its slot; None before the first one."""
 
@@ -86,6 +106,14 @@ class AdmissionQueue:
     def waiting(self, priority: PriorityClass) -> int:
         return len(self._waiting[priority])
 
+    def slots(self, priority: PriorityClass) -> int:
+        """Slots a request of `priority` may have now: batch its share of the limit."""
+        limit = min(self.limiter.limit, self.limits.max_in_flight)
+        if priority is PriorityClass.INTERACTIVE:
+            return limit
+        share = self.limits.batch_max_in_flight / self.limits.max_in_flight
+        return max(1, math.floor(limit * share))
+
     def expected_wait_s(self, priority: PriorityClass) -> float:
         """How long a request of `priority` queued now would wait (0 while unknown)."""
         if self._hold_s is None:
@@ -94,29 +122,40 @@ class AdmissionQueue:
         if priority is PriorityClass.BATCH:
             ahead += self.waiting(PriorityClass.BATCH)
         # Slots free up at about slots / hold_s per second; we need ahead + 1 of them.
-        return (ahead + 1) * self._hold_s / self.limits.slots(priority)
+        return (ahead + 1) * self._hold_s / self.slots(priority)
 
-    async def admit(self, priority: PriorityClass, deadline: float | None = None) -> Ticket:
-        """Waits for a slot; `deadline` is on this queue's clock (time.monotonic by default)."""
+    async def admit(
+        self,
+        priority: PriorityClass,
+        deadline: float | None = None,
+        service_s: float | None = None,
+    ) -> Ticket:
+        """Waits for a slot; `deadline` is on this queue's clock (time.monotonic by default),
+        `service_s` the time the workers are expected to take (None: unknown)."""
         arrived = self._clock()
+        if not self.service_aware:
+            service_s = None
         if self._may_start(priority) and not self._anyone_ahead(priority):
+            # A free slot: it costs no other request anything, so even a request that
+            # cannot finish in time runs, and gets what its deadline allows (DEADLINE).
             self._take_slot(priority)
             return Ticket(priority, admitted_at=arrived, queued_s=0.0)
-        self._shed_if_hopeless(priority, arrived, deadline)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        queue = self._waiting[priority]
-        queue.append(future)
+        self._shed_if_hopeless(priority, arrived, deadline, service_s)
+        waiter = _Waiter(asyncio.get_running_loop().create_future(), deadline, service_s)
+        self._waiting[priority].append(waiter)
         self._publish(priority)
         try:
             async with asyncio.timeout_at(_loop_time(deadline, self._clock)):
-                await asyncio.shield(future)
+                await asyncio.shield(waiter.future)
         except BaseException as error:
-            self._abandon(priority, future)
-            if isinstance(error, TimeoutError):
+            self._abandon(priority, waiter)
+            if isinstance(error, TimeoutError | DeadlineExceeded):
                 waited = self._clock() - arrived
                 metrics.REQUESTS_SHED.labels(priority.name.lower(), "deadline").inc()
                 raise DeadlineExceeded(
                     f"the deadline passed after {waited:.3f}s in the admission queue"
+                    if isinstance(error, TimeoutError)
+                    else f"{error} after {waited:.3f}s in the admission queue"
                 ) from None
             raise
         finally:
@@ -125,25 +164,30 @@ class AdmissionQueue:
         return Ticket(priority, admitted_at=now, queued_s=now - arrived)
 
     def release(self, ticket: Ticket) -> None:
-        """Returns the slot and hands it to the next waiter (idempotent)."""
+        """Returns the slot and hands it to the next waiter (idempotent); a ticket that
+        produced tokens teaches the concurrency limit its latency."""
         if ticket.released:
             return
         ticket.released = True
+        in_flight = self.running()
         self._running[ticket.priority] -= 1
         held = self._clock() - ticket.admitted_at
         self._hold_s = (
             held if self._hold_s is None else ((1 - _SMOOTHING) * self._hold_s + _SMOOTHING * held)
         )
+        if ticket.output_tokens or ticket.dropped:
+            self.limiter.observe(held / max(ticket.output_tokens, 1), in_flight, ticket.dropped)
         metrics.REQUESTS_RUNNING.labels(ticket.priority.name.lower()).set(
             self._running[ticket.priority]
         )
+        metrics.CONCURRENCY_LIMIT.set(self.limiter.limit)
         self._dispatch()
 
     def _may_start(self, priority: PriorityClass) -> bool:
-        if self.running() >= self.limits.max_in_flight:
+        if self.running() >= self.slots(PriorityClass.INTERACTIVE):
             return False
         return priority is PriorityClass.INTERACTIVE or (
-            self._running[PriorityClass.BATCH] < self.limits.batch_max_in_flight
+            self._running[PriorityClass.BATCH] < self.slots(PriorityClass.BATCH)
         )
 
     def _anyone_ahead(self, priority: PriorityClass) -> bool:
@@ -156,50 +200,67 @@ class AdmissionQueue:
         metrics.REQUESTS_RUNNING.labels(priority.name.lower()).set(self._running[priority])
 
     def _shed_if_hopeless(
-        self, priority: PriorityClass, now: float, deadline: float | None
+        self,
+        priority: PriorityClass,
+        now: float,
+        deadline: float | None,
+        service_s: float | None,
     ) -> None:
         label = priority.name.lower()
-        expected = self.expected_wait_s(priority)
-        retry_after = max(expected, _MIN_RETRY_S)
+        wait = self.expected_wait_s(priority)
         if self.waiting(priority) >= self.limits.queue_size(priority):
             metrics.REQUESTS_SHED.labels(label, "queue_full").inc()
             raise ResourceExhausted(
                 f"the {label} queue is full ({self.limits.queue_size(priority)} waiting); "
                 "retry later",
-                retry_after_s=retry_after,
+                retry_after_s=max(wait, MIN_RETRY_S),
             )
-        if deadline is not None and now + expected > deadline:
-            metrics.REQUESTS_SHED.labels(label, "deadline").inc()
+        refusal = judge(None if deadline is None else deadline - now, wait, service_s, self._hold_s)
+        if refusal is not None:
+            metrics.REQUESTS_SHED.labels(label, refusal.reason).inc()
             raise ResourceExhausted(
-                f"expected wait in the {label} queue ({expected:.3f}s) exceeds the "
-                f"request's deadline ({max(deadline - now, 0.0):.3f}s left)",
-                retry_after_s=retry_after,
+                f"{label}: {refusal.message}", retry_after_s=refusal.retry_after_s
             )
 
     def _dispatch(self) -> None:
-        """Grants free slots: interactive waiters first, then batch within its share."""
+        """Grants free slots: interactive waiters first, then batch within its share; a
+        waiter that could no longer finish in time is told so instead."""
+        now = self._clock()
         for priority in PriorityClass:
             queue = self._waiting[priority]
             while queue and self._may_start(priority):
-                future = queue.popleft()
-                if future.done():
+                waiter = queue.popleft()
+                if waiter.future.done():
+                    continue
+                if _too_late(waiter, now):
+                    waiter.future.set_exception(
+                        DeadlineExceeded("its slot came too late to finish before the deadline")
+                    )
                     continue
                 self._take_slot(priority)
-                future.set_result(None)
+                waiter.future.set_result(None)
             self._publish(priority)
 
-    def _abandon(self, priority: PriorityClass, future: asyncio.Future[None]) -> None:
+    def _abandon(self, priority: PriorityClass, waiter: _Waiter) -> None:
         """A waiter gave up (deadline or cancel): drop it, or return a slot it already got."""
-        if future.done() and not future.cancelled():
+        future = waiter.future
+        if future.done() and not future.cancelled() and future.exception() is None:
             self._running[priority] -= 1
             self._dispatch()
             return
         future.cancel()
         with contextlib.suppress(ValueError):  # already popped by _dispatch
-            self._waiting[priority].remove(future)
+            self._waiting[priority].remove(waiter)
 
     def _publish(self, priority: PriorityClass) -> None:
         metrics.REQUESTS_WAITING.labels(priority.name.lower()).set(self.waiting(priority))
+
+
+def _too_late(waiter: _Waiter, now: float) -> bool:
+    """Started now, the waiter would not finish before its deadline."""
+    if waiter.deadline is None or waiter.service_s is None:
+        return False
+    return now + waiter.service_s > waiter.deadline
 
 
 def _loop_time(deadline: float | None, clock: Callable[[], float]) -> float | None:

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from kvmesh.contracts.sampling import AUTO_MODEL
 from kvmesh.contracts.tokenizer import Tokenizer
 from kvmesh.errors import InvalidArgument, KvmeshError, Unavailable
+from kvmesh.service_rates import ServiceRates
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class ModelSpec:
     tokens_per_second: float = 0.0
     available: bool = True
     fallback: str = ""
+    service_rates: ServiceRates | None = None
+    """How fast its workers serve a request now (measured by the router); None: unknown."""
 
 
 class ModelCatalog:

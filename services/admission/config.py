@@ -48,10 +48,19 @@ class AdmissionConfig(ServerConfig):
     """Price of an accelerator hour for tiers with no configured or reported price."""
     default_tokens_per_second: float = 100.0
     """Throughput assumed for tiers whose workers have not reported a measured one yet."""
+    adaptive_admission: bool = True
+    """Admission that knows what the workers can do: requests in flight bounded by a limit
+    that follows their measured latency (TCP-Vegas style, at most --max-in-flight), and a
+    request shed at once when its expected wait plus the workers' measured time for its
+    prompt and max_tokens exceeds its deadline. --no-adaptive-admission: a fixed
+    --max-in-flight, shed only when the wait alone exceeds the deadline."""
+    initial_in_flight: int = 8
+    """The adaptive limit before any request was measured."""
     max_in_flight: int = 64
-    """Most requests admitted toward the router at once."""
+    """Most requests admitted toward the router at once (the adaptive limit's ceiling)."""
     batch_max_in_flight: int = 48
-    """Most batch requests among those in flight, so interactive ones always find a slot."""
+    """Batch requests' share of the slots, as a count of --max-in-flight's (the adaptive
+    limit gives batch the same fraction), so interactive ones always find a slot."""
     interactive_queue: int = 256
     """Interactive requests that may wait for a slot; more are shed."""
     batch_queue: int = 1024

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kvmesh.rpc_status import error_from_rpc
+from kvmesh.service_rates import ServiceRates
 from kvmesh.v1 import (
     cache_pb2,
     cache_pb2_grpc,
@@ -61,6 +62,9 @@ def _model_spec(info: gateway_pb2.ModelInfo) -> ModelSpec:
         tokens_per_second=info.tokens_per_second,
         available=info.available,
         fallback=info.fallback,
+        service_rates=(
+            ServiceRates.from_proto(info.service_rates) if info.HasField("service_rates") else None
+        ),
     )
 
 

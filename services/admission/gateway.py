@@ -80,6 +80,15 @@ _PROTO_PRIORITY = {
 }
 
 
+_LOAD_FAILURES = (common_pb2.FINISH_REASON_DEADLINE,)
+"""How an admitted request ends when more were admitted than the workers could serve."""
+_WHOLE_ANSWERS = (
+    common_pb2.FINISH_REASON_STOP,
+    common_pb2.FINISH_REASON_LENGTH,
+    common_pb2.FINISH_REASON_TOOL_CALLS,
+)
+
+
 class ClientCancelled(Exception):
     """The client sent Cancel before the request reached the router."""
 
@@ -311,7 +320,7 @@ class Gateway:
         try:
             ticket = await run_unless_cancelled(
                 holdings.take(
-                    self.queue.admit(job.priority, job.stop_at),
+                    self.queue.admit(job.priority, job.stop_at, _service_s(job)),
                     self.queue.release,
                     interruptible=True,
                 ),
@@ -327,6 +336,12 @@ class Gateway:
             async for event in self._route(job, transcript, ticket, cancelled):
                 yield event
         finally:
+            # What the concurrency limit learns: the latency of a whole answer, or a failure
+            # for load (a cancelled or cut-short answer says nothing about either).
+            reason = transcript.finished.finish_reason if transcript.finished else None
+            if reason in _WHOLE_ANSWERS:
+                ticket.output_tokens = len(transcript.token_ids)
+            ticket.dropped = reason in _LOAD_FAILURES
             await holdings.give_back(ticket)
 
     async def _route(
@@ -558,6 +573,9 @@ class Gateway:
                     context_length=spec.context_length,
                     available=spec.available,
                     fallback=spec.fallback,
+                    service_rates=(
+                        spec.service_rates.to_proto() if spec.service_rates is not None else None
+                    ),
                 )
             )
         return response
@@ -582,6 +600,14 @@ def _as_tool_call(transcript: Transcript) -> None:
         return
     finished.tool_calls.append(parse_call("".join(transcript.text)))
     finished.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
+
+
+def _service_s(job: Job) -> float | None:
+    """The workers' expected time for the job's prompt and max_tokens (None: not measured)."""
+    rates = job.model.service_rates
+    if rates is None:
+        return None
+    return rates.service_s(len(job.prompt_ids), job.sampling.max_tokens)
 
 
 def _stop_at(arrived: float, time_remaining_s: float | None) -> float | None:

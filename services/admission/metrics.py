@@ -30,6 +30,10 @@ REQUESTS_RUNNING = Gauge(
 REQUESTS_WAITING = Gauge(
     "kvmesh:admission_requests_waiting", "Requests waiting in the admission queue.", ["priority"]
 )
+CONCURRENCY_LIMIT = Gauge(
+    "kvmesh:admission_concurrency_limit",
+    "Requests the gateway lets run toward the router at once now (adaptive or fixed).",
+)
 REQUESTS_SHED = Counter(
     "kvmesh:requests_shed_total",
     "Requests refused by admission control, by priority and reason.",

@@ -20,6 +20,7 @@ from services.admission.config import AdmissionConfig
 from services.admission.downstream import CacheClient, RouterClient
 from services.admission.gateway import Gateway
 from services.admission.idempotency import IdempotencyStore
+from services.admission.limiter import FixedLimit, VegasLimit, VegasSettings
 from services.admission.metering import MemoryMeter, RedisMeter, UsageMeter
 from services.admission.pricing import PriceTable, parse_price_overrides
 from services.admission.quotas import MemoryCounters, Quotas, RedisCounters
@@ -75,6 +76,23 @@ def tenant_books(config: AdmissionConfig, hooks: list[StopHook]) -> TenantBooks:
     )
 
 
+def admission_queue(config: AdmissionConfig) -> AdmissionQueue:
+    """The queue with the adaptive limit and the service-time rule, or the fixed limit."""
+    limits = QueueLimits(
+        max_in_flight=config.max_in_flight,
+        batch_max_in_flight=min(config.batch_max_in_flight, config.max_in_flight),
+        interactive_queue=config.interactive_queue,
+        batch_queue=config.batch_queue,
+    )
+    if not config.adaptive_admission:
+        return AdmissionQueue(limits, FixedLimit(config.max_in_flight))
+    settings = VegasSettings(
+        initial=min(config.initial_in_flight, config.max_in_flight),
+        max_limit=config.max_in_flight,
+    )
+    return AdmissionQueue(limits, VegasLimit(settings), service_aware=True)
+
+
 def build_gateway(config: AdmissionConfig) -> Assembly:
     """The Gateway for `config` (channels connect lazily: nothing is contacted yet)."""
     # Every call to the router and the cache carries the gateway's mesh identity.
@@ -111,14 +129,7 @@ def build_gateway(config: AdmissionConfig) -> Assembly:
         quotas=books.quotas,
         concurrency=books.concurrency,
         meter=books.meter,
-        queue=AdmissionQueue(
-            QueueLimits(
-                max_in_flight=config.max_in_flight,
-                batch_max_in_flight=min(config.batch_max_in_flight, config.max_in_flight),
-                interactive_queue=config.interactive_queue,
-                batch_queue=config.batch_queue,
-            )
-        ),
+        queue=admission_queue(config),
         prices=PriceTable(
             parse_price_overrides(config.price),
             default_usd_per_gpu_hour=config.default_usd_per_gpu_hour,

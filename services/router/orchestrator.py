@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,7 @@ from services.router.placement import Plan, TierChoice, place, resolve_tier
 from services.router.policies import POLICIES
 from services.router.policies.base import PlacementPolicy
 from services.router.pools import PoolRegistry
+from services.router.rates import RateBook
 from services.router.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class Orchestrator:
     monitor: WorkerMonitor
     load_cost_tokens: int
     lease_ttl_ms: int = 0
+    rates: RateBook = field(default_factory=RateBook)
+    """What the attempts measure of each worker's speed (ListModels reports it)."""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _policies: dict[str, PlacementPolicy] = field(init=False)
     _request_ids: set[str] = field(default_factory=set)
@@ -379,21 +382,50 @@ class Orchestrator:
                     plan.prefill.address, request, _time_left(deadline)
                 )
                 async with contextlib.aclosing(colocated):
-                    async for event in colocated:
+                    async for event in self._timed(attempt, request, colocated):
                         yield event
             else:
-                async for event in self._split(attempt, request, deadline):
-                    yield event
+                split = self._split(attempt, request, deadline)
+                async with contextlib.aclosing(split):
+                    async for event in self._timed(attempt, request, split):
+                        yield event
         finally:
             for worker in plan.workers:
                 worker.inflight -= 1
+
+    async def _timed(
+        self,
+        attempt: _Attempt,
+        request: common_pb2.InferenceRequest,
+        events: AsyncIterator[common_pb2.GenerateEvent],
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        """The attempt's events, measuring its workers on the way (rates.py): a colocated
+        worker's first token is its prefill; then every gap between two chunks that the
+        decoding worker produced one after the other (split: not the gap from the prefill's
+        token to the first decoded one, which holds the KV hand-off)."""
+        plan = attempt.plan
+        started = last = time.monotonic()
+        chunks = 0
+        decoded_from = 1 if plan.decode is None or attempt.first_token is not None else 2
+        async for event in events:
+            if event.WhichOneof("event") == "chunk" and event.chunk.token_ids:
+                now = time.monotonic()
+                if chunks == 0 and plan.decode is None:
+                    uncached = len(request.prompt_token_ids) - attempt.cached_prompt_tokens
+                    self.rates.observe_prefill(plan.prefill.address, uncached, now - started)
+                elif chunks >= decoded_from:
+                    decoder = plan.decode or plan.prefill
+                    self.rates.observe_gap(decoder.address, len(event.chunk.token_ids), now - last)
+                chunks += 1
+                last = now
+            yield event
 
     async def _split(
         self,
         attempt: _Attempt,
         request: common_pb2.InferenceRequest,
         deadline: float | None,
-    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
         plan = attempt.plan
         assert plan.decode is not None
         prefill_address, decode_address = plan.prefill.address, plan.decode.address
@@ -406,8 +438,14 @@ class Orchestrator:
                 _time_left(deadline),
             )
         )
+        asked = time.monotonic()
         prefilled = await self._prefilled(prefill, prefill_address)
         attempt.cached_prompt_tokens = prefilled.cached_prompt_tokens
+        self.rates.observe_prefill(
+            prefill_address,
+            len(request.prompt_token_ids) - prefilled.cached_prompt_tokens,
+            time.monotonic() - asked,
+        )
         try:
             async for event in self._after_prefill(
                 attempt, request, prefilled, decode_address, deadline

@@ -108,9 +108,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     context_length=stats.context_length if stats is not None else 0,
                     available=self.registry.serves(tier.name),
                     fallback=tier.fallback,
+                    service_rates=self._service_rates(tier.name),
                 )
             )
         return gateway_pb2.ListModelsResponse(models=models)
+
+    def _service_rates(self, tier: str) -> gateway_pb2.ServiceRates | None:
+        """The tier's measured speed, averaged over its workers in rotation."""
+
+        def addresses(*roles: Role) -> list[str]:
+            return [w.address for role in roles for w in self.registry.in_rotation(tier, role)]
+
+        rates = self.orchestrator.rates.tier_rates(
+            addresses(Role.PREFILL, Role.COLOCATED), addresses(Role.DECODE, Role.COLOCATED)
+        )
+        return rates.to_proto() if rates is not None else None
 
     async def Status(
         self, request: router_pb2.RouterStatusRequest, context: grpc.aio.ServicerContext

@@ -10,6 +10,7 @@ import pytest
 from kvmesh.errors import DeadlineExceeded, ResourceExhausted
 from kvmesh.tenants import PriorityClass
 from services.admission.admission_queue import AdmissionQueue, QueueLimits, Ticket
+from services.admission.limiter import ConcurrencyLimit, FixedLimit
 
 INTERACTIVE = PriorityClass.INTERACTIVE
 BATCH = PriorityClass.BATCH
@@ -133,3 +134,142 @@ def test_limits_are_checked() -> None:
         QueueLimits(0, 0, 1, 1)
     with pytest.raises(ValueError):
         QueueLimits(2, 3, 1, 1)
+
+
+class ManualClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def aware_queue(
+    limiter: ConcurrencyLimit, clock: ManualClock, batch_max: int = 3
+) -> AdmissionQueue:
+    return AdmissionQueue(QueueLimits(4, batch_max, 8, 8), limiter, service_aware=True, clock=clock)
+
+
+async def test_expected_service_time_beyond_the_deadline_sheds_at_once() -> None:
+    clock = ManualClock()
+    q = aware_queue(FixedLimit(1), clock, batch_max=1)
+    held = await q.admit(INTERACTIVE)
+    # No free slot, and the workers need 8 s for it while it has 5 s: refused now.
+    with pytest.raises(ResourceExhausted) as raised:
+        await q.admit(INTERACTIVE, deadline=clock.now + 5.0, service_s=8.0)
+    assert "expected time for this prompt and max_tokens (8.000s)" in str(raised.value)
+    assert raised.value.retry_after_s is not None and raised.value.retry_after_s > 0
+    assert q.waiting(INTERACTIVE) == 0
+    # One that fits waits for the slot.
+    fits = asyncio.create_task(q.admit(INTERACTIVE, deadline=clock.now + 5.0, service_s=4.0))
+    await settle()
+    assert q.waiting(INTERACTIVE) == 1
+    q.release(held)
+    q.release(await fits)
+    assert q.running() == 0
+
+
+async def test_a_free_slot_runs_even_a_request_that_cannot_finish() -> None:
+    # It holds up nobody, and gets the partial answer its deadline allows.
+    q = aware_queue(FixedLimit(4), ManualClock())
+    ticket = await q.admit(INTERACTIVE, deadline=1000.0 + 5.0, service_s=8.0)
+    assert ticket.queued_s == 0
+
+
+async def test_the_wait_counts_with_the_service_time() -> None:
+    clock = ManualClock()
+    q = aware_queue(FixedLimit(1), clock, batch_max=1)
+    first = await q.admit(INTERACTIVE)
+    clock.now += 2.0
+    q.release(first)  # a slot is held 2 s
+    held = await q.admit(INTERACTIVE)
+    # Next in line waits ~2 s for the one slot: 2 + 2.5 fits in 5 s, 2 + 3.5 does not.
+    fits = asyncio.create_task(q.admit(INTERACTIVE, deadline=clock.now + 5.0, service_s=2.5))
+    await settle()
+    assert q.waiting(INTERACTIVE) == 1
+    with pytest.raises(ResourceExhausted) as raised:
+        await q.admit(INTERACTIVE, deadline=clock.now + 6.0, service_s=3.5)
+    # One ahead of it: it would wait ~4 s; come back after that and one slot turn more.
+    assert raised.value.retry_after_s == pytest.approx(4.0 + 2.0)
+    q.release(held)
+    q.release(await fits)
+
+
+async def test_a_waiter_whose_slot_comes_too_late_is_not_started() -> None:
+    clock = ManualClock()
+    q = aware_queue(FixedLimit(1), clock, batch_max=1)
+    held = await q.admit(INTERACTIVE)
+    waiter = asyncio.create_task(q.admit(INTERACTIVE, deadline=clock.now + 5.0, service_s=3.0))
+    await settle()
+    clock.now += 2.5  # the slot frees with 2.5 s left: too little for 3 s of work
+    q.release(held)
+    with pytest.raises(DeadlineExceeded, match="too late"):
+        await waiter
+    assert q.running() == 0 and q.waiting(INTERACTIVE) == 0
+    assert (await q.admit(INTERACTIVE)).queued_s == 0
+
+
+async def test_without_service_awareness_only_the_wait_sheds() -> None:
+    q = AdmissionQueue(QueueLimits(1, 1, 8, 8))
+    held = await q.admit(INTERACTIVE)
+    waiter = asyncio.create_task(
+        q.admit(INTERACTIVE, deadline=time.monotonic() + 5.0, service_s=8.0)
+    )
+    await settle()
+    assert q.waiting(INTERACTIVE) == 1  # queued, not shed
+    q.release(held)
+    q.release(await waiter)
+
+
+class StepLimit:
+    """A limit the test sets; records what it was taught."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+        self.seen: list[tuple[float, int, bool]] = []
+
+    @property
+    def limit(self) -> int:
+        return self.value
+
+    def observe(self, latency_s: float, in_flight: int, dropped: bool) -> None:
+        self.seen.append((latency_s, in_flight, dropped))
+
+
+async def test_slots_follow_the_adaptive_limit_and_batch_keeps_its_share() -> None:
+    clock = ManualClock()
+    limit = StepLimit(8)
+    q = aware_queue(limit, clock, batch_max=3)  # batch: 3/4 of the limit, never above it
+    assert q.slots(INTERACTIVE) == 4  # --max-in-flight caps the limit
+    assert q.slots(BATCH) == 3
+    limit.value = 2
+    assert q.slots(INTERACTIVE) == 2 and q.slots(BATCH) == 1
+    batch = await q.admit(BATCH)
+    second_batch = asyncio.create_task(q.admit(BATCH))
+    await settle()
+    assert not second_batch.done()  # batch's share is taken
+    interactive = await q.admit(INTERACTIVE)
+    assert interactive.queued_s == 0  # interactive still finds a slot
+    limit.value = 4
+    clock.now += 1.0
+    interactive.output_tokens = 10
+    q.release(interactive)  # a release hands out the slots the grown limit added
+    assert (await asyncio.wait_for(second_batch, 1.0)).queued_s == pytest.approx(1.0)
+    # The limit learnt the released request's latency per token and the load it ran under.
+    assert limit.seen == [(pytest.approx(0.1), 2, False)]
+    q.release(batch)  # no tokens, not dropped: nothing learnt
+    assert len(limit.seen) == 1
+
+
+async def test_a_dropped_request_teaches_the_limit_without_tokens() -> None:
+    limit = StepLimit(4)
+    q = aware_queue(limit, ManualClock())
+    ticket = await q.admit(INTERACTIVE)
+    ticket.dropped = True
+    q.release(ticket)
+    assert limit.seen and limit.seen[0][2] is True
+    cancelled = await q.admit(INTERACTIVE)
+    q.release(cancelled)  # no tokens, not dropped (a cancel): nothing to learn
+    assert len(limit.seen) == 1
