@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvmesh/v1/*.proto)
 
-.PHONY: install protos lint kubectl test test-vllm run bench bench-peers clean
+.PHONY: install protos lint kubectl test test-vllm podman image-base image test-compose run bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	@echo "kvmesh: installing kvmesh, its dependencies (torch CPU, grpc, ...) and the default model into $(VENV) (once, and again when pyproject.toml changes; a few minutes)"
@@ -54,6 +54,46 @@ $(VLLM_STAMP): pyproject.toml
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/pytest -q -o addopts="" tests/vllm
+
+# Containers with podman (no Docker engine, no systemd, no reachable registry): the base image
+# from Debian packages (mmdebstrap, imported), deploy/Dockerfile on it, and tests/compose/, which
+# starts docker-compose.yml's kvmesh services and Redis (deploy/compose.offline.yaml), sends
+# requests through the published gateway port and compares the tokens with kvmesh up's.
+# deploy/podman/containers.conf holds podman's settings for such machines. WHEELS is a folder of
+# wheels mounted into the build as pip's find-links (torch 2.13.0+cpu lies in /opt/wheels here;
+# empty: PyPI only); CA_CERTS files of extra CA certificates to trust (default: the ones this
+# machine added to its own store; empty: none). Each stage says how long it took.
+export CONTAINERS_CONF := $(CURDIR)/deploy/podman/containers.conf
+CPU_LOCK := flock -s /tmp/kvmesh-cpu.lock
+BASE_IMAGE ?= kvmesh-base:bookworm
+IMAGE ?= kvmesh:local
+WHEELS ?= $(firstword $(wildcard /opt/wheels))
+CA_CERTS ?= $(wildcard /usr/local/share/ca-certificates/*.crt)
+elapsed = echo "kvmesh: $(1) took $$(( $$(date +%s) - $$start )) s"
+
+podman:
+	@command -v podman-compose >/dev/null && command -v mmdebstrap >/dev/null || { \
+		echo "kvmesh: installing podman, buildah, podman-compose, mmdebstrap and runc (apt-get)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			podman buildah podman-compose mmdebstrap runc; }
+
+image-base: podman
+	@podman image exists $(BASE_IMAGE) || { start=$$(date +%s); \
+		$(CPU_LOCK) deploy/podman/base-image.sh $(BASE_IMAGE) \
+		&& $(call elapsed,the base image $(BASE_IMAGE)); }
+
+image: image-base
+	@start=$$(date +%s); $(CPU_LOCK) podman build -f deploy/Dockerfile -t $(IMAGE) \
+		--build-arg BASE_IMAGE=$(BASE_IMAGE) \
+		$(if $(WHEELS),-v $(abspath $(WHEELS)):/wheels:ro --build-arg PIP_FIND_LINKS=/wheels) \
+		$(if $(CA_CERTS),--build-arg EXTRA_CA_CERTS="$$(cat $(CA_CERTS))") . \
+		&& $(call elapsed,the image $(IMAGE))
+
+test-compose: $(STAMP) image
+	@start=$$(date +%s); $(CPU_LOCK) podman build -q -f deploy/redis.Dockerfile \
+		-t kvmesh-redis:local --build-arg BASE_IMAGE=$(BASE_IMAGE) . \
+		&& $(call elapsed,the Redis image kvmesh-redis:local)
+	$(CPU_LOCK) $(BIN)/pytest -q -s -o addopts="" tests/compose
 
 run: $(STAMP)
 	$(BIN)/kvmesh up

@@ -7,12 +7,14 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvmesh.healthcheck import main
+from kvmesh.tls import CA_CERT, StackAuthority, TlsFiles
 from tests.procs import REPO_ROOT
 
 SERVICE = "kvmesh.v1.Cache"
@@ -71,3 +73,51 @@ def test_module_entry_point_sets_the_exit_status(
     assert subprocess.run(command, cwd=REPO_ROOT, timeout=30).returncode == 0
     servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     assert subprocess.run(command, cwd=REPO_ROOT, timeout=30).returncode == 1
+
+
+@pytest.fixture
+def mutual_tls_server(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """A health service that, like an internal service over TLS, takes only callers with a
+    certificate of its CA; the folder holds a member's certificate as `kvmesh up --tls` makes."""
+    authority = StackAuthority.open(tmp_path)
+    server_files = authority.issue("cache", "cache:cache", ["127.0.0.1"])
+    authority.issue("router", "router:router", ["127.0.0.1"])
+    tls = TlsFiles.load(server_files.cert, server_files.key, authority.ca_file)
+    assert tls is not None
+    servicer = health.HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_secure_port("127.0.0.1:0", tls.server_credentials(True))
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    yield f"127.0.0.1:{port}", tmp_path
+    server.stop(None)
+
+
+def test_over_mutual_tls_the_probe_shows_a_certificate_from_flags_or_environment(
+    mutual_tls_server: tuple[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, folder = mutual_tls_server
+    files = {
+        "cert": folder / "router.pem",
+        "key": folder / "router-key.pem",
+        "ca": folder / CA_CERT,
+    }
+    flags = [arg for name, path in files.items() for arg in (f"--tls-{name}-file", str(path))]
+    assert main([address, *flags], environ={}) == 0
+    environ = {f"KVMESH_HEALTHCHECK_TLS_{name.upper()}_FILE": str(p) for name, p in files.items()}
+    assert main([address], environ=environ) == 0
+    # Without a certificate the server takes no connection: the CA alone is not enough.
+    assert main([address, "--tls-ca-file", str(files["ca"]), "--timeout-s", "2"], environ={}) == 1
+    assert main([address, "--timeout-s", "2"], environ={}) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_a_missing_tls_file_is_one_line_not_a_traceback(
+    mutual_tls_server: tuple[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, folder = mutual_tls_server
+    missing = ["--tls-cert-file", str(folder / "none.pem"), "--tls-key-file", str(folder / "x")]
+    assert main([address, *missing], environ={}) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{address}: TLS files:") and "Traceback" not in err

@@ -8,8 +8,10 @@ in containers a service is reached by its compose service name.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,11 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.x509.oid import NameOID
 
+from kvmesh.compose_certs import compose_certificates
+from kvmesh.config import ServerConfig, env_var
 from kvmesh.stack import (
     StackOptions,
     StackService,
@@ -26,6 +32,7 @@ from kvmesh.stack import (
     plan_workers,
     pools_document,
     pools_path,
+    tls_folder,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -128,11 +135,36 @@ def test_same_module_flags_and_ports(compose: dict[str, Any], service: StackServ
 
 
 def test_gateway_and_openai_door_are_published_on_their_ports(compose: dict[str, Any]) -> None:
+    """On kvmesh up's ports unless KVMESH_GATEWAY_PORT / KVMESH_HTTP_PORT name others."""
     gateway = next(service for service in PLAN if service.name == "gateway")
-    port = COMPOSE_OPTIONS.gateway_port
+    port = f"${{KVMESH_GATEWAY_PORT:-{COMPOSE_OPTIONS.gateway_port}}}"
     assert compose[gateway.name]["ports"] == [f"127.0.0.1:{port}:{gateway.port}"]
     door = next(service for service in PLAN if service.http)
-    assert compose[door.name]["ports"] == [f"127.0.0.1:{COMPOSE_OPTIONS.http_port}:{door.port}"]
+    port = f"${{KVMESH_HTTP_PORT:-{COMPOSE_OPTIONS.http_port}}}"
+    assert compose[door.name]["ports"] == [f"127.0.0.1:{port}:{door.port}"]
+
+
+def test_the_offline_override_names_real_services_and_overrides_no_list(
+    compose: dict[str, Any],
+) -> None:
+    """deploy/compose.offline.yaml (make test-compose): podman-compose 1.0.3 appends an
+    override's lists to the file's own where docker compose replaces them, so it may set only
+    mappings and single values; every kvmesh service stops exporting traces (no collector)."""
+    override = yaml.safe_load((DEPLOY / "compose.offline.yaml").read_text(encoding="utf-8"))
+
+    def lists_in(value: Any, path: str) -> list[str]:
+        if isinstance(value, list):
+            return [path]
+        if isinstance(value, dict):
+            return [p for key, inner in value.items() for p in lists_in(inner, f"{path}/{key}")]
+        return []
+
+    assert not list(jsonschema.Draft202012Validator(compose_spec_schema()).iter_errors(override))
+    assert set(override["services"]) <= set(compose)
+    assert lists_in(override["services"], "services") == []
+    for service in PLAN:
+        assert override["services"][service.name]["environment"]["OTEL_TRACES_EXPORTER"] == "none"
+    assert override["services"]["redis"]["build"]["dockerfile"] == "deploy/redis.Dockerfile"
 
 
 def test_config_files_are_mounted_where_the_flags_point(compose: dict[str, Any]) -> None:
@@ -202,9 +234,12 @@ def test_workers_run_on_cpu_or_reserve_a_gpu(compose: dict[str, Any], worker: St
         {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
     ]
     assert gpu["environment"] == {**cpu["environment"], "KVMESH_WORKER_DEVICE": "cuda"}
+    # Both answer to the plan's name, which the pools file and Prometheus use: the CPU variant
+    # is named so, the GPU variant has it as an alias (only there: podman-compose 1.0.3 cannot
+    # start a service whose networks are a mapping).
+    assert "networks" not in cpu
+    assert gpu["networks"]["default"]["aliases"] == [worker.name]
     for variant in (cpu, gpu):
-        # Both answer to the plan's name, which the pools file and Prometheus use.
-        assert variant["networks"]["default"]["aliases"] == [worker.name]
         advertised = variant["environment"]["KVMESH_WORKER_ADVERTISE_ADDRESS"]
         assert advertised == f"{worker.name}:{worker.port}"
 
@@ -273,3 +308,125 @@ def test_only_the_front_doors_and_dashboards_are_published_and_on_loopback(
     assert set(published) == {"gateway", "openai", "jaeger", "prometheus", "grafana"}
     for name, ports in published.items():
         assert all(str(port).startswith("127.0.0.1:") for port in ports), name
+
+
+TLS_OPTIONS = replace(COMPOSE_OPTIONS, tls=True)
+TLS_PLAN = plan_stack(TLS_OPTIONS)
+COMPOSE_TLS_DIR = Path("/etc/kvmesh/tls")
+"""Where deploy/compose.tls.yaml mounts the host's TLS folder; kvmesh up's is tls_folder()."""
+
+
+@pytest.fixture(scope="module")
+def tls_override() -> dict[str, Any]:
+    document = yaml.safe_load((DEPLOY / "compose.tls.yaml").read_text(encoding="utf-8"))
+    services: dict[str, Any] = document["services"]
+    return services
+
+
+def config_class(module: str) -> type[ServerConfig]:
+    """The typed config class of a service module (services.cache -> CacheConfig)."""
+    config = importlib.import_module(f"{module}.config")
+    [found] = [
+        value
+        for value in vars(config).values()
+        if isinstance(value, type) and issubclass(value, ServerConfig) and value is not ServerConfig
+    ]
+    return found
+
+
+def tls_environment(service: StackService) -> dict[str, str]:
+    """kvmesh up --tls's TLS flags of `service` as the variables that set them, pointing into
+    the folder compose mounts."""
+    args = service.args
+    flags = {arg: args[i + 1] for i, arg in enumerate(args) if arg.startswith("--tls-")}
+    folder = tls_folder(TLS_OPTIONS.state_dir)
+    return {
+        env_var(config_class(service.module), flag[2:].replace("-", "_")): str(
+            COMPOSE_TLS_DIR / Path(path).relative_to(folder)
+        )
+        for flag, path in flags.items()
+    }
+
+
+@pytest.mark.parametrize("service", TLS_PLAN, ids=lambda s: s.name)
+def test_the_tls_override_gives_each_service_kvmesh_up_tls_files(
+    compose: dict[str, Any], tls_override: dict[str, Any], service: StackService
+) -> None:
+    """deploy/compose.tls.yaml sets, for every service, the TLS files kvmesh up --tls passes
+    (by their variables, which docker compose and podman-compose merge alike), mounts the
+    folder read-only, waits for the tls-certs step and points the health check at the
+    service's own certificate."""
+    expected = tls_environment(service)
+    assert expected, f"kvmesh up --tls gives {service.name} no TLS flag"
+    for name in names_of(service):
+        override = tls_override[name]
+        assert name in compose
+        probe = {
+            key.replace(env_var(config_class(service.module), ""), "KVMESH_HEALTHCHECK_"): value
+            for key, value in expected.items()
+        }
+        wanted = expected if service.http else {**expected, **probe}
+        assert override["environment"] == wanted, name
+        assert override["volumes"] == [
+            f"${{KVMESH_TLS_DIR:-./.kvmesh/compose-tls}}:{COMPOSE_TLS_DIR}:ro"
+        ]
+        assert override["depends_on"] == {
+            "tls-certs": {"condition": "service_completed_successfully"}
+        }
+    assert set(tls_override) == {"tls-certs", *(n for s in TLS_PLAN for n in names_of(s))}
+
+    assert not list(
+        jsonschema.Draft202012Validator(compose_spec_schema()).iter_errors(
+            {"services": tls_override}
+        )
+    )
+
+
+def test_tls_adds_only_the_tls_flags_so_compose_commands_stay_as_they_are() -> None:
+    """With TLS compose runs the same commands (set by test_same_module_flags_and_ports): kvmesh
+    up --tls differs only by the --tls-* flags the override sets through variables."""
+    for plain, tls in zip(PLAN, TLS_PLAN, strict=True):
+        args = list(tls.args)
+        for flag in [a for a in args if a.startswith("--tls-")]:
+            del args[args.index(flag) : args.index(flag) + 2]
+        assert (tls.name, tuple(args)) == (plain.name, plain.args)
+
+
+def names_of(service: StackService) -> list[str]:
+    """A service's compose names: a worker has its GPU variant too."""
+    return [service.name] + ([f"{service.name}-gpu"] if service.role else [])
+
+
+def test_the_tls_certs_step_issues_every_file_the_services_read(
+    tls_override: dict[str, Any], tmp_path: Path
+) -> None:
+    step = tls_override["tls-certs"]
+    assert step["command"] == [
+        "python",
+        "-m",
+        "kvmesh.compose_certs",
+        str(COMPOSE_TLS_DIR),
+        "--owner",
+        "10001",
+    ]
+    assert step["volumes"] == [f"${{KVMESH_TLS_DIR:-./.kvmesh/compose-tls}}:{COMPOSE_TLS_DIR}"]
+    assert one_shot(step)
+    issued = compose_certificates(tmp_path)
+    read = {
+        Path(value).name
+        for spec in tls_override.values()
+        for value in spec.get("environment", {}).values()
+    }
+    assert read <= {path.name for path in tmp_path.iterdir()}
+    for service in TLS_PLAN:
+        if service.http:
+            continue
+        cert = x509.load_pem_x509_certificate((tmp_path / f"{service.name}.pem").read_bytes())
+        [common_name] = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        in_compose = f"{service.name}:{service.port}" if service.role else service.name
+        role = "worker" if service.role else service.name
+        assert common_name.value == f"{role}:{in_compose}"
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert service.name in names.get_values_for_type(x509.DNSName)
+    assert "operator" in issued
+    assert compose_certificates(tmp_path) == []  # kept: a restarted stack keeps its files
