@@ -1,9 +1,10 @@
 """Structured-output constraints: the value every hop passes on, and its bounds.
 
-A request's `SamplingParams.constraint` (a JSON Schema, any JSON object, a regex, a grammar or
-a choice of strings) becomes one frozen `Constraint` here. The gateway, the router and each
-worker check it with `checked_constraint`, from this one definition of its bounds; the
-worker's engine compiles it with its grammar backend and refuses what does not compile.
+A request's `SamplingParams.constraint` (a JSON Schema, any JSON object, a regex, a grammar, a
+choice of strings, or a structural tag: free text with triggered JSON segments) becomes one
+frozen `Constraint` here. The gateway, the router and each worker check it with
+`checked_constraint`, from this one definition of its bounds; the worker's engine compiles it
+with its grammar backend and refuses what does not compile.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.errors import InvalidArgument
 
@@ -40,6 +41,7 @@ class ConstraintKind(enum.Enum):
     EBNF = "ebnf"
     LARK = "lark"
     CHOICE = "choice"
+    STRUCTURAL_TAG = "structural_tag"
 
 
 _FIELDS = {
@@ -49,6 +51,7 @@ _FIELDS = {
     ConstraintKind.EBNF: "sampling.grammar",
     ConstraintKind.LARK: "sampling.grammar",
     ConstraintKind.CHOICE: "sampling.choice",
+    ConstraintKind.STRUCTURAL_TAG: "sampling.structural_tag",
 }
 
 
@@ -95,6 +98,8 @@ class Constraint:
                 raise ConstraintError(self.field, f"not valid JSON: {error}") from None
             if not isinstance(schema, dict):
                 raise ConstraintError(self.field, "must be a JSON object (a JSON Schema)")
+        elif self.kind is ConstraintKind.STRUCTURAL_TAG:
+            structural_tag(self.text)
 
     def _validate_options(self) -> None:
         if not 1 <= len(self.options) <= MAX_CHOICES:
@@ -105,6 +110,81 @@ class Constraint:
                     f"sampling.choice.options[{index}]",
                     f"options must be 1-{MAX_CHOICE_CHARS} characters",
                 )
+
+
+@dataclass(slots=True, frozen=True)
+class Structure:
+    """One tagged segment of a structural tag: begin, a JSON value, end."""
+
+    begin: str
+    """Text that opens the segment; it starts with one of the tag's triggers."""
+    schema: dict[str, Any]
+    """The JSON Schema the value between begin and end validates against."""
+    end: str
+    """Text that closes the segment."""
+
+
+@dataclass(slots=True, frozen=True)
+class StructuralTag:
+    """Free text in which every segment a trigger opens is constrained (tool_choice auto)."""
+
+    triggers: tuple[str, ...]
+    """Strings that, once written, start a structure beginning with them."""
+    structures: tuple[Structure, ...]
+    stop_after_first: bool
+    """The answer ends after its first structure."""
+
+    def as_json(self) -> str:
+        """The JSON text SamplingParams.structural_tag carries."""
+        structures = [{"begin": s.begin, "schema": s.schema, "end": s.end} for s in self.structures]
+        return json.dumps(
+            {
+                "triggers": list(self.triggers),
+                "structures": structures,
+                "stop_after_first": self.stop_after_first,
+            }
+        )
+
+
+def structural_tag(text: str) -> StructuralTag:
+    """The structural tag JSON text describes; ConstraintError names what is wrong."""
+    field = _FIELDS[ConstraintKind.STRUCTURAL_TAG]
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ConstraintError(field, f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ConstraintError(field, "must be a JSON object")
+    triggers = value.get("triggers")
+    if (
+        not isinstance(triggers, list)
+        or not triggers
+        or not all(isinstance(t, str) and t for t in triggers)
+    ):
+        raise ConstraintError(f"{field}.triggers", "must be a list of non-empty strings")
+    raw_structures = value.get("structures")
+    if not isinstance(raw_structures, list) or not raw_structures:
+        raise ConstraintError(f"{field}.structures", "must be a non-empty list")
+    structures = tuple(
+        _structure(f"{field}.structures[{i}]", s, triggers) for i, s in enumerate(raw_structures)
+    )
+    stop_after_first = value.get("stop_after_first", False)
+    if not isinstance(stop_after_first, bool):
+        raise ConstraintError(f"{field}.stop_after_first", "must be true or false")
+    return StructuralTag(tuple(triggers), structures, stop_after_first)
+
+
+def _structure(field: str, value: object, triggers: list[str]) -> Structure:
+    if not isinstance(value, dict):
+        raise ConstraintError(field, "must be an object with begin, schema and end")
+    begin, schema, end = value.get("begin"), value.get("schema"), value.get("end", "")
+    if not isinstance(begin, str) or not any(begin.startswith(t) for t in triggers):
+        raise ConstraintError(f"{field}.begin", "must be a string starting with a trigger")
+    if not isinstance(schema, dict):
+        raise ConstraintError(f"{field}.schema", "must be a JSON Schema (an object)")
+    if not isinstance(end, str):
+        raise ConstraintError(f"{field}.end", "must be a string")
+    return Structure(begin, schema, end)
 
 
 def constraint_from_proto(sampling: common_pb2.SamplingParams) -> Constraint | None:
@@ -122,6 +202,8 @@ def constraint_from_proto(sampling: common_pb2.SamplingParams) -> Constraint | N
         constraint = Constraint(ConstraintKind.REGEX, sampling.regex)
     elif kind == "grammar":
         constraint = Constraint(_grammar_kind(sampling.grammar.notation), sampling.grammar.source)
+    elif kind == "structural_tag":
+        constraint = Constraint(ConstraintKind.STRUCTURAL_TAG, sampling.structural_tag)
     else:
         constraint = Constraint(ConstraintKind.CHOICE, options=tuple(sampling.choice.options))
     constraint.validate()

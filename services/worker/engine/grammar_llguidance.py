@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -10,7 +11,7 @@ import llguidance.hf
 import llguidance.torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from kvmesh.contracts.constraints import Constraint, ConstraintKind
+from kvmesh.contracts.constraints import Constraint, ConstraintKind, structural_tag
 from services.worker.engine.grammar import (
     JSON_OBJECT_SCHEMA,
     GrammarMatcher,
@@ -62,6 +63,8 @@ class LlguidanceBackend:
             return matcher.grammar_from_regex(choice_regex(constraint.options))
         if kind is ConstraintKind.EBNF:
             return matcher.grammar_from_lark(gbnf_to_lark(constraint.text))
+        if kind is ConstraintKind.STRUCTURAL_TAG:
+            return matcher.grammar_from_lark(triggered_lark(constraint.text))
         return matcher.grammar_from_lark(constraint.text)
 
     def matcher(self, compiled: object) -> GrammarMatcher:
@@ -70,6 +73,24 @@ class LlguidanceBackend:
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         rows = [(cast(_Matcher, m).inner, i) for i, m in enumerate(matchers)]
         llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+
+
+def triggered_lark(text: str) -> str:
+    """A kvmesh structural tag as a lazy Lark grammar: free TEXT, and for each structure a
+    lazy lexeme (TEXT up to the first occurrence of its trigger, so free text ends exactly
+    there) followed by the rest of its begin, its JSON value and its end."""
+    tag = structural_tag(text)
+    rules = ["%llguidance {}", "TEXT: /(.|\\n)*/"]
+    for index, structure in enumerate(tag.structures):
+        trigger = next(t for t in tag.triggers if structure.begin.startswith(t))
+        schema = {**structure.schema, "x-guidance": JSON_OPTIONS}
+        rest = [json.dumps(structure.begin[len(trigger) :]), "%json " + json.dumps(schema)]
+        rest += [json.dumps(structure.end)] if structure.end else []
+        rules.append(f"opens_{index}[lazy]: TEXT {json.dumps(trigger)}")
+        rules.append(f"segment_{index}: opens_{index} " + " ".join(r for r in rest if r != '""'))
+    segments = " | ".join(f"segment_{i}" for i in range(len(tag.structures)))
+    start = f"TEXT | {segments}" if tag.stop_after_first else f"({segments})* TEXT"
+    return "\n".join([*rules, f"start: {start}"])
 
 
 class _Matcher:

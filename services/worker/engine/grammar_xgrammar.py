@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
 import xgrammar
 
-from kvmesh.contracts.constraints import Constraint, ConstraintKind
+from kvmesh.contracts.constraints import Constraint, ConstraintKind, structural_tag
 from services.worker.engine.grammar import (
     JSON_OBJECT_SCHEMA,
     GrammarMatcher,
@@ -19,6 +20,12 @@ from services.worker.engine.grammar import (
 
 if TYPE_CHECKING:
     from kvmesh.contracts.tokenizer import Tokenizer
+
+# xgrammar writes a string with minLength/maxLength as a run of this character class, which
+# admits the raw control characters U+0000-U+001F that JSON forbids inside strings (its other
+# string rules exclude them); the JSON grammars are compiled with the class that excludes them.
+LOOSE_STRING_CHARACTER = r"[^\"\\\r\n]"
+STRICT_STRING_CHARACTER = r"[^\"\\\0-\x1f]"
 
 
 class XgrammarBackend:
@@ -43,8 +50,9 @@ class XgrammarBackend:
         kind = constraint.kind
         if kind is ConstraintKind.JSON_SCHEMA or kind is ConstraintKind.JSON_OBJECT:
             schema = constraint.text if kind is ConstraintKind.JSON_SCHEMA else JSON_OBJECT_SCHEMA
-            # Compact JSON (", " and ": "): no run of whitespace for a sampler to wander into.
-            return self._compiler.compile_json_schema(schema, any_whitespace=False)
+            return self._compiler.compile_grammar(strict_json_ebnf(schema))
+        if kind is ConstraintKind.STRUCTURAL_TAG:
+            return self._compiler.compile_structural_tag(triggered_tags(constraint.text))
         if kind is ConstraintKind.REGEX:
             return self._compiler.compile_regex(constraint.text)
         if kind is ConstraintKind.CHOICE:
@@ -59,6 +67,35 @@ class XgrammarBackend:
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         inner = [cast(_Matcher, m).inner for m in matchers]
         self._batch.batch_fill_next_token_bitmask(inner, bitmask)
+
+
+def strict_json_ebnf(schema: str) -> str:
+    """The schema's grammar as EBNF whose strings hold no raw control character. Compact JSON
+    (", " and ": "): no run of whitespace for a sampler to wander into."""
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    return str(grammar).replace(LOOSE_STRING_CHARACTER, STRICT_STRING_CHARACTER)
+
+
+def triggered_tags(text: str) -> dict[str, object]:
+    """A kvmesh structural tag as xgrammar's triggered-tags format (each structure's value a
+    strict JSON grammar, as above)."""
+    tag = structural_tag(text)
+    tags = [
+        {
+            "type": "tag",
+            "begin": s.begin,
+            "content": {"type": "grammar", "grammar": strict_json_ebnf(json.dumps(s.schema))},
+            "end": s.end,
+        }
+        for s in tag.structures
+    ]
+    triggered = {
+        "type": "triggered_tags",
+        "triggers": list(tag.triggers),
+        "tags": tags,
+        "stop_after_first": tag.stop_after_first,
+    }
+    return {"type": "structural_tag", "format": triggered}
 
 
 class _Matcher:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvmesh.contracts.constraints import (
@@ -11,11 +13,21 @@ from kvmesh.contracts.constraints import (
     Constraint,
     ConstraintError,
     ConstraintKind,
+    StructuralTag,
+    Structure,
     checked_constraint,
     constraint_from_proto,
+    structural_tag,
 )
 from kvmesh.errors import InvalidArgument
 from kvmesh.v1 import common_pb2
+
+TAG = StructuralTag(("<t>",), (Structure("<t>", {"type": "object"}, "</t>"),), True).as_json()
+
+
+def tag(**changes: object) -> common_pb2.SamplingParams:
+    value = {"triggers": ["<t>"], "structures": [{"begin": "<t>", "schema": {}, "end": ""}]}
+    return common_pb2.SamplingParams(structural_tag=json.dumps({**value, **changes}))
 
 
 def grammar(
@@ -45,6 +57,10 @@ def grammar(
         (
             common_pb2.SamplingParams(choice=common_pb2.Choice(options=["yes", "no"])),
             Constraint(ConstraintKind.CHOICE, options=("yes", "no")),
+        ),
+        (
+            common_pb2.SamplingParams(structural_tag=TAG),
+            Constraint(ConstraintKind.STRUCTURAL_TAG, TAG),
         ),
     ],
 )
@@ -79,6 +95,23 @@ def test_each_kind_reads_into_one_constraint(
             ),
             "sampling.choice.options[0]",
         ),
+        (common_pb2.SamplingParams(structural_tag="[]"), "sampling.structural_tag"),
+        (tag(triggers=[]), "sampling.structural_tag.triggers"),
+        (tag(triggers=[""]), "sampling.structural_tag.triggers"),
+        (tag(structures=[]), "sampling.structural_tag.structures"),
+        (
+            tag(structures=[{"begin": "<u>", "schema": {}}]),
+            "sampling.structural_tag.structures[0].begin",
+        ),
+        (
+            tag(structures=[{"begin": "<t>", "schema": "{}"}]),
+            "sampling.structural_tag.structures[0].schema",
+        ),
+        (
+            tag(structures=[{"begin": "<t>", "schema": {}, "end": 1}]),
+            "sampling.structural_tag.structures[0].end",
+        ),
+        (tag(stop_after_first="yes"), "sampling.structural_tag.stop_after_first"),
     ],
 )
 def test_refusals_name_the_field(sampling: common_pb2.SamplingParams, field: str) -> None:
@@ -94,3 +127,9 @@ def test_constraint_is_hashable_and_equal_by_value() -> None:
     a = Constraint(ConstraintKind.CHOICE, options=("a", "b"))
     assert {a: 1}[Constraint(ConstraintKind.CHOICE, options=("a", "b"))] == 1
     assert a != Constraint(ConstraintKind.CHOICE, options=("b", "a"))
+
+
+def test_a_structural_tag_round_trips_through_its_json_text() -> None:
+    parsed = structural_tag(TAG)
+    assert parsed == StructuralTag(("<t>",), (Structure("<t>", {"type": "object"}, "</t>"),), True)
+    assert structural_tag(parsed.as_json()) == parsed

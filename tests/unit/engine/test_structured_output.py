@@ -11,18 +11,26 @@ import asyncio
 import json
 import re
 import threading
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
 import pytest
 import torch
 
-from kvmesh.contracts.constraints import Constraint, ConstraintError, ConstraintKind
+from kvmesh.contracts.constraints import (
+    Constraint,
+    ConstraintError,
+    ConstraintKind,
+    StructuralTag,
+    Structure,
+)
 from services.worker.engine.api import EngineRequest, FinishReason, SamplingParams
 from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.grammar import GrammarCompiler
+from services.worker.engine.grammar import GrammarCompiler, GrammarMatcher
 from services.worker.engine.grammar_xgrammar import XgrammarBackend
 from services.worker.engine.loader import LoadedModel, load_model
 from tests.unit.engine.test_engine import Result, drive
@@ -147,11 +155,9 @@ def unconstrained_requests() -> list[EngineRequest]:
     ]
 
 
-def parse_json(text: str, backend: str) -> object:
-    """xgrammar's JSON strings admit raw control characters (U+0000-U+001F), which strict
-    JSON forbids; llguidance's do not. Known gap (issue 16), so xgrammar answers are parsed
-    leniently here."""
-    return json.loads(text, strict=backend == "llguidance")
+def parse_json(text: str) -> object:
+    """Strict JSON: no raw control character (U+0000-U+001F) inside a string."""
+    return json.loads(text)
 
 
 def finished(results: dict[str, Result], request_id: str) -> Result:
@@ -180,7 +186,7 @@ def test_schema_suite_validates_in_one_batch_with_free_text_unchanged(
         result = finished(mixed, request.request_id)
         assert result.finish_reason is FinishReason.STOP, (request.request_id, result.text)
         schema = SCHEMAS[request.request_id.rsplit("-", 1)[0]]
-        jsonschema.validate(parse_json(result.text, backend), schema)
+        jsonschema.validate(parse_json(result.text), schema)
     alone = drive(make_engine(tiny_loaded, backend), {0: free[:2], 2: free[2:]})
     for request in free:
         assert mixed[request.request_id].token_ids == alone[request.request_id].token_ids
@@ -216,7 +222,7 @@ def test_regex_choice_and_grammars_match(tiny_loaded: LoadedModel, backend: str)
         assert result.finish_reason is FinishReason.STOP, (request.request_id, result.text)
         pattern = GRAMMARS[int(request.request_id[1 : request.request_id.index("-")])][1]
         if pattern is None:
-            assert isinstance(parse_json(result.text, backend), dict)
+            assert isinstance(parse_json(result.text), dict)
         else:
             assert re.fullmatch(pattern, result.text), (request.request_id, result.text)
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
@@ -337,7 +343,7 @@ def test_preemption_and_prefix_hits_keep_the_constraint(
     for request in requests:
         result = finished(results, request.request_id)
         assert result.finish_reason is FinishReason.STOP
-        jsonschema.validate(parse_json(result.text, backend), schema)
+        jsonschema.validate(parse_json(result.text), schema)
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
@@ -388,3 +394,131 @@ def test_split_prefill_and_decode_equals_colocated(
     assert rest.finish_reason is FinishReason.STOP
     prefill.release(handle.handle_id)
     assert decode.pool.num_free_blocks == decode.pool.num_blocks
+
+
+CALL_BEGIN, CALL_END = "<tool_call>\n", "\n</tool_call>"
+CALL_SCHEMA = SCHEMAS["enum_and_const"]
+
+
+def call_tag(stop_after_first: bool = True) -> Constraint:
+    tag = StructuralTag(
+        ("<tool_call>",), (Structure(CALL_BEGIN, CALL_SCHEMA, CALL_END),), stop_after_first
+    )
+    return Constraint(ConstraintKind.STRUCTURAL_TAG, tag.as_json())
+
+
+def utf8_prefix_tokens(engine: Engine, token_ids: list[int]) -> int:
+    """How many leading tokens decode to valid UTF-8 text."""
+    return max(
+        k
+        for k in range(len(token_ids) + 1)
+        if "\ufffd" not in engine.tokenizer.decode(token_ids[:k])
+    )
+
+
+def force_text_after(engine: Engine, target: Constraint, text: str, after: int) -> None:
+    """Test hook: the rows under `target` write `text` (its tokens' logits raised far above
+    the rest, before the grammar's mask) once they have sampled `after` tokens of their own."""
+    forced = engine.tokenizer.encode(text)
+    counts: dict[int, int] = {}
+    make_matcher, mask_logits = engine.grammars.matcher, engine.grammars.mask_logits
+
+    def matcher(constraint: Constraint) -> GrammarMatcher:
+        made = make_matcher(constraint)
+        if constraint == target:
+            counts[id(made)] = 0
+        return made
+
+    def masked(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:
+        for row, made in enumerate(matchers):
+            if made is None or id(made) not in counts:
+                continue
+            sampled = counts[id(made)]
+            counts[id(made)] = sampled + 1
+            if after <= sampled < after + len(forced):
+                with torch.inference_mode():  # the model runner's logits are inference tensors
+                    logits[row, forced[sampled - after]] += 1e4
+        mask_logits(logits, matchers)
+
+    engine.grammars.matcher = matcher  # type: ignore[method-assign]
+    engine.grammars.mask_logits = masked  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_structural_tag_leaves_text_free_and_constrains_what_a_trigger_opens(
+    tiny_loaded: LoadedModel, backend: str
+) -> None:
+    """tool_choice auto's constraint: a row that never writes the trigger produces exactly the
+    tokens it produces unconstrained; a row made to write it after 5 free tokens continues
+    with the rest of the begin, a JSON value that validates, and the end, then stops (also
+    when sampled). A trigger written in pieces counts: the forced text is several tokens.
+    llguidance's free text is UTF-8 text, so a random row that writes a byte sequence that is
+    not (the tiny vocabulary has lone UTF-8 bytes) differs from there on: for that backend
+    each row is compared up to its first byte that is not UTF-8."""
+    free_params = [SamplingParams(max_tokens=40), sampling(3)]
+    tagged = [
+        EngineRequest(f"free-{i}", prompt(i), replace(p, constraint=call_tag(False)))
+        for i, p in enumerate(free_params)
+    ]
+    forcing = call_tag(stop_after_first=True)
+    calls = [
+        EngineRequest(f"call-{seed}", prompt(20 + i), sampling(seed, forcing))
+        for i, seed in enumerate(SEEDS)
+    ]
+    engine = make_engine(tiny_loaded, backend)
+    force_text_after(engine, forcing, "<tool_call>", after=5)
+    results = drive(engine, {0: tagged + calls})
+    plain = drive(
+        make_engine(tiny_loaded, backend),
+        {0: [replace(r, sampling=replace(r.sampling, constraint=None)) for r in tagged + calls]},
+    )
+
+    def free_tokens(request: EngineRequest, limit: int) -> list[int]:
+        expected = plain[request.request_id].token_ids[:limit]
+        if backend == "llguidance":
+            expected = expected[: utf8_prefix_tokens(engine, expected)]
+        return expected
+
+    for request in tagged:
+        expected = free_tokens(request, MAX_TOKENS)
+        assert expected and results[request.request_id].token_ids[: len(expected)] == expected
+    for request in calls:
+        result = finished(results, request.request_id)
+        assert result.finish_reason is FinishReason.STOP, (request.request_id, result.text)
+        expected = free_tokens(request, 5)
+        assert result.token_ids[: len(expected)] == expected
+        free, _, call = result.text.partition("<tool_call>")
+        assert "<tool_call>" not in free
+        assert call.startswith("\n") and call.endswith(CALL_END), result.text
+        jsonschema.validate(json.loads(call[1 : -len(CALL_END)]), CALL_SCHEMA)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "string", "maxLength": 8},
+        {"type": "string", "minLength": 1},
+        {"type": "object", "properties": {"k": {"type": "string", "maxLength": 3}}},
+        {"type": "object"},
+    ],
+)
+def test_json_strings_never_hold_a_raw_control_character(
+    tiny_loaded: LoadedModel, backend: str, schema: dict[str, object]
+) -> None:
+    """Inside a JSON string (length-bounded ones included: xgrammar's own rule for those let
+    U+0000-U+001F through), every token that writes a raw control character is masked."""
+    engine = make_engine(tiny_loaded, backend)
+    grammars = engine.grammars
+    matcher = grammars.matcher(Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema)))
+    opening = '{"k": "' if schema["type"] == "object" else '"'
+    for token_id in engine.tokenizer.encode(opening):
+        assert matcher.accept(token_id)
+    vocab = engine.vocab_size
+    controls = [i for i in range(vocab) if any(ord(c) < 0x20 for c in engine.tokenizer.decode([i]))]
+    assert controls  # the tiny byte-level vocabulary has them (e.g. "\x01", "\n")
+    logits = torch.zeros((1, vocab))
+    grammars.mask_logits(logits, [matcher])
+    assert torch.isinf(logits[0, controls]).all()
+    assert not torch.isinf(logits[0]).all()
