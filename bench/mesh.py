@@ -190,13 +190,19 @@ async def running_stack(
     port_offset: int = PORT_OFFSET,
     tls: bool = False,
     mode: Mode = "disaggregated",
+    engine: str = "native",
+    worker_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[list[StackService]]:
-    """`kvmesh up --mode MODE` (with --tls: its certificates too), on bench ports;
+    """`kvmesh up --mode MODE --engine ENGINE` (with --tls: its certificates too), on bench
+    ports, `worker_args` for every worker and `env` added to every service's environment;
     yields its services once all serve."""
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-mesh-") as state:
         options = StackOptions(
             model=args.model,
             mode=mode,
+            engine=engine,
+            worker_args=worker_args,
             port_offset=port_offset,
             gateway_port=50051 + port_offset,
             http_port=OPENAI_HTTP_PORT + port_offset,
@@ -204,7 +210,7 @@ async def running_stack(
             tls=tls,
         )
         services = plan_stack(options)
-        supervisor = Supervisor(printer=quiet)
+        supervisor = Supervisor(printer=quiet, env=env or {})
         supervisor.check_ports(services)
         write_pools_file(options, [s for s in services if s.role])
         if options.mesh_auth:  # as `kvmesh up` does: the services read it at start

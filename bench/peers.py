@@ -11,7 +11,9 @@ own loader, fp32) and the same prompt token ids:
             vLLM's LLM.generate, transformers' generate() in static batches of 8
   serving   32 concurrent requests, 128-token prompts, 64 out: `kvmesh up --mode colocated`
             through the async SDK (one task per request) vs vLLM's OpenAI server (streaming
-            /v1/completions, ignore_eos); `kvmesh up`'s disaggregated default beside them
+            /v1/completions, ignore_eos); `kvmesh up`'s disaggregated default beside them, and
+            `kvmesh up --mode colocated --engine vllm` (the mesh in front of vLLM's engine, with
+            the batch limits vLLM's server takes by default: what the mesh costs)
   single    one request at a time, 128-token prompt, 128 out: tok/s and TTFT
   prefix    a fresh 1,024-token prefix + 32-token suffix (cold TTFT), then the same prefix with
             new suffixes (warm TTFT)
@@ -57,7 +59,16 @@ from kvmesh.stack import Mode
 
 HEADING = "## Peers: kvmesh vs vLLM CPU"
 MODEL = "smollm2-135m"
-MODES: dict[str, Mode] = {"kvmesh colocated": "colocated", "kvmesh disaggregated": "disaggregated"}
+KVMESH_ON_VLLM = "kvmesh on vllm"
+# kvmesh system -> (`kvmesh up --mode`, `--engine`).
+STACKS: dict[str, tuple[Mode, str]] = {
+    "kvmesh colocated": ("colocated", "native"),
+    "kvmesh disaggregated": ("disaggregated", "native"),
+    KVMESH_ON_VLLM: ("colocated", "vllm"),
+}
+# vLLM's OpenAI server's own batch limits on a CPU (vLLM 0.32's defaults there), given to the
+# vLLM-backed workers so that the two run the same scheduler settings.
+VLLM_SERVER_BATCH_ARGS = ("--max-num-batched-tokens=2048", "--max-num-seqs=128")
 # Far from `kvmesh up`'s default ports and from bench.mesh's offset.
 PORT_OFFSET = 1700
 VLLM_PORT = 18851
@@ -484,13 +495,23 @@ class VllmServer:
 
 
 @contextlib.asynccontextmanager
-async def kvmesh_server(model_dir: Path, mode: Mode) -> AsyncIterator[KvmeshServer]:
+async def kvmesh_server(model_dir: Path, system: str) -> AsyncIterator[KvmeshServer]:
     from bench.mesh import running_stack
 
+    mode, engine = STACKS[system]
     stack_args = argparse.Namespace(model=str(model_dir))
-    async with running_stack(stack_args, port_offset=PORT_OFFSET, mode=mode) as services:
+    on_vllm = engine == "vllm"
+    # vLLM's engine gets what its own server gets: the same environment and batch limits.
+    async with running_stack(
+        stack_args,
+        port_offset=PORT_OFFSET,
+        mode=mode,
+        engine=engine,
+        worker_args=VLLM_SERVER_BATCH_ARGS if on_vllm else (),
+        env=vllm_environment() if on_vllm else None,
+    ) as services:
         gateway = next(s for s in services if s.name == "gateway").address
-        server = KvmeshServer(f"kvmesh {mode}", gateway)
+        server = KvmeshServer(system, gateway)
         try:
             yield server
         finally:
@@ -717,6 +738,8 @@ def _phases(args: argparse.Namespace, server_row_names: list[str]) -> list[tuple
             phases.append(
                 ("kvmesh disaggregated server", _server_phase("kvmesh disaggregated", ["serving"]))
             )
+        if "serving" in server_row_names and not args.skip_kvmesh_vllm:
+            phases.append((f"{KVMESH_ON_VLLM} server", _server_phase(KVMESH_ON_VLLM, ["serving"])))
     if "steps" in args.rows:
         phases.append(("kvmesh steps vs the machine", _steps_phase))
     return phases
@@ -763,7 +786,7 @@ def _server_phase(system: str, rows: list[str]) -> Phase:
         report: Report, model_dir: Path, work: Workload, sets: list[dict[str, Any]]
     ) -> None:
         context: contextlib.AbstractAsyncContextManager[Server] = (
-            vllm_server(model_dir) if system == "vllm" else kvmesh_server(model_dir, MODES[system])
+            vllm_server(model_dir) if system == "vllm" else kvmesh_server(model_dir, system)
         )
         async with context as server:
             results = await server_rows(server, rows, work, sets)
@@ -877,6 +900,27 @@ def table_rows(report: Report) -> list[tuple[str, str, str, str]]:
                 f"{d / v:.2f}x",
             )
         )
+    on_vllm = srv.get(KVMESH_ON_VLLM, {})
+    if "serving" in on_vllm and "serving" in vl:
+        o, v = on_vllm["serving"], vl["serving"]
+        lines.append(
+            (
+                "serving, `kvmesh up --engine vllm` colocated: output tok/s",
+                f"{best(o, 'tok_s'):.1f}",
+                f"{best(v, 'tok_s'):.1f}",
+                f"{best(o, 'tok_s') / best(v, 'tok_s'):.2f}x",
+            )
+        )
+        for key, label in (("ttft_p99_ms", "TTFT p99 ms"), ("tpot_p50_ms", "TPOT p50 ms")):
+            a, b = best(o, key, higher=False), best(v, key, higher=False)
+            lines.append(
+                (
+                    f"serving, `kvmesh up --engine vllm`: {label}",
+                    f"{a:.0f}",
+                    f"{b:.0f}",
+                    f"{a / b:.2f}x",
+                )
+            )
     if "single" in kv and "single" in vl:
         k, v = best(kv["single"], "tok_s"), best(vl["single"], "tok_s")
         lines.append(("one request, 128 + 128: tok/s", f"{k:.1f}", f"{v:.1f}", f"{k / v:.2f}x"))
@@ -974,7 +1018,10 @@ def markdown(report: Report, command: str) -> str:
         f"{m['load_average_end']:.1f} at the end. vLLM {_vllm_version()} (compiled by "
         "inductor, VLLM_CPU_OMP_THREADS_BIND over every core, VLLM_CPU_KVCACHE_SPACE set, "
         "tcmalloc preloaded where installed); kvmesh with its defaults (`kvmesh up --mode "
-        f"colocated` for the server rows). One warm-up each, then {report.workload['runs']} "
+        "colocated` for the server rows); `kvmesh up --engine vllm` is the same mesh on vLLM's "
+        "engine (compiled, threads on every core, vLLM's environment and its server's batch "
+        "limits, --max-num-batched-tokens 2048 --max-num-seqs 128). One warm-up each, then "
+        f"{report.workload['runs']} "
         "run(s) per row on fresh prompts; each figure is the better undisturbed run. Results: "
         "`bench/results/peers.json`, `bench/results/peers.png`.",
         "",
@@ -1058,6 +1105,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=["kvmesh", "vllm", "transformers"],
     )
     parser.add_argument("--skip-disaggregated", action="store_true")
+    parser.add_argument(
+        "--skip-kvmesh-vllm",
+        action="store_true",
+        help="leave out `kvmesh up --engine vllm` on the serving row",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

@@ -53,6 +53,12 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
         default="disaggregated",
         help="separate prefill and decode workers, or workers that do both",
     )
+    up.add_argument(
+        "--engine",
+        choices=["native", "vllm"],
+        default="native",
+        help="every worker's engine: kvmesh's own, or vLLM (needs the kvmesh[vllm] extra)",
+    )
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")
     up.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
     up.add_argument(
@@ -190,6 +196,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         mode=args.mode,
         prefill=args.prefill,
         decode=args.decode,
+        engine=args.engine,
         gateway_port=gateway_port,
         http_port=http_port,
         tenants=args.tenants,

@@ -48,6 +48,9 @@ class StackOptions:
     """Prefill workers (disaggregated mode)."""
     decode: int = 1
     """Decode workers (disaggregated mode); colocated mode starts this many colocated workers."""
+    engine: str = "native"
+    """Engine backend of every worker: "native" (kvmesh's) or "vllm" (the kvmesh[vllm] extra:
+    vLLM compiled, its threads bound to every core)."""
     gateway_port: int = GATEWAY_PORT
     """Port of the admission gateway, the stack's front door."""
     http_port: int = OPENAI_HTTP_PORT
@@ -142,6 +145,7 @@ def worker_service(options: StackOptions, role: str, index: int, slot: int) -> S
         str(metrics_port),
         "--grace-s",
         str(WORKER_GRACE_S),
+        *(() if options.engine == "native" else ("--engine", options.engine)),
         *mesh_args(options),
         *tls_args(options, name),
         *options.worker_args,

@@ -59,7 +59,10 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
     """A worker around `engine` (loaded from the config when None), not yet started."""
     config.validate()
     engine = engine or create_engine(
-        config.engine, config.engine_config, kv_wire_format=config.kv_wire_format
+        config.engine,
+        config.engine_config,
+        kv_wire_format=config.kv_wire_format,
+        vllm_eager=config.vllm_eager,
     )
     leases = LeaseTable(ttl_s=config.lease_ttl_s)
     keys = MeshKeys.from_file(config.mesh_secret_file)

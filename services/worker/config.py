@@ -47,6 +47,9 @@ class WorkerConfig(ServerConfig):
     kv_wire_format: str = "vllm"
     """vLLM backend only: KV byte order on the wire, "vllm" (its own) or "native" (so native
     workers can pull its blocks; needs block_size 32 on both sides)."""
+    vllm_eager: bool = False
+    """vLLM backend only: run the model eagerly instead of compiled by inductor (vLLM's CPU
+    default, which costs a few minutes at start on a small CPU; tests take eager)."""
 
     def validate(self) -> None:
         """Raises ValueError naming the first setting out of range."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from kvmesh.channels import member_channel
+from kvmesh.contracts.constraints import ConstraintError
 from kvmesh.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -91,6 +92,8 @@ class KvImporter:
             raise
         except KvCapacityError as error:
             raise ResourceExhausted(f"decode worker KV cache is full: {error}") from None
+        except ConstraintError as error:  # a constraint this engine cannot continue
+            raise InvalidArgument(error.field, error.detail) from None
         except ValueError as error:
             raise InvalidArgument("lease", str(error)) from None
 

@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
 
 async def start_vllm_worker(model: Path, role: str, wire_format: str = "vllm") -> InProcessWorker:
-    """A worker on the vLLM backend, one thread, a 64-block pool, started on a free port."""
+    """A worker on the vLLM backend (eager), one thread, a 64-block pool, on a free port."""
     config = load_config(WorkerConfig, worker_args(model, role))
-    engine = VllmEngine.from_config(config.engine_config, kv_wire_format=wire_format)
+    engine = VllmEngine.from_config(config.engine_config, kv_wire_format=wire_format, eager=True)
     # The servicer is typed against AsyncEngine; VllmEngine has the same API (EngineBackend).
     worker = build_worker(config, cast("AsyncEngine", engine))
     await worker.start()

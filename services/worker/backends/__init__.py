@@ -15,9 +15,10 @@ __all__ = ["ENGINE_KINDS", "EngineBackend", "create_engine"]
 
 
 def create_engine(
-    kind: str, config: EngineConfig, *, kv_wire_format: str = "vllm"
+    kind: str, config: EngineConfig, *, kv_wire_format: str = "vllm", vllm_eager: bool = False
 ) -> EngineBackend:
-    """Load the model on the chosen backend (blocking); `kv_wire_format` is vLLM's only."""
+    """Load the model on the chosen backend (blocking); `kv_wire_format` and `vllm_eager`
+    are vLLM's only (WorkerConfig says what they mean)."""
     if kind == "native":
         from services.worker.engine.async_engine import AsyncEngine
 
@@ -25,5 +26,5 @@ def create_engine(
     if kind == "vllm":
         from services.worker.backends.vllm_engine import VllmEngine
 
-        return VllmEngine.from_config(config, kv_wire_format=kv_wire_format)
+        return VllmEngine.from_config(config, kv_wire_format=kv_wire_format, eager=vllm_eager)
     raise ValueError(f"engine must be one of {ENGINE_KINDS}, got {kind!r}")

@@ -2,8 +2,9 @@
 
 Generation maps onto vLLM request for request: sampling, stop strings and token ids, seed,
 logprobs and the cache salt go into vLLM's SamplingParams and prompt; priority into vLLM's
-priority scheduling; aborts into AsyncLLM.abort. vLLM has no deadlines, so each request's
-deadline is a timeout here that aborts it in vLLM and ends it with DEADLINE.
+priority scheduling; aborts into AsyncLLM.abort; a structured-output constraint into vLLM's
+structured outputs (vllm_constraints.py). vLLM has no deadlines, so each request's deadline is
+a timeout here that aborts it in vLLM and ends it with DEADLINE.
 
 KV hand-off goes through kvmesh's connector (vllm_connector.py) and an entry store both sides
 see (kv_files.py):
@@ -35,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm import SamplingParams as VllmSamplingParams
-from vllm.config import KVTransferConfig
+from vllm.config import KVTransferConfig, StructuredOutputsConfig
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.exceptions import VLLMValidationError
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -44,10 +46,12 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from kvmesh.contracts.block_hashes import hash_block_chain
 from kvmesh.contracts.constraints import ConstraintError
+from kvmesh.contracts.model_facts import read_model_facts
 from kvmesh.contracts.model_files import resolve_model_path
 from services.worker.backends import vllm_connector
 from services.worker.backends.kv_files import BlockFiles, make_store_dir
 from services.worker.backends.kv_wire import WIRE_FORMATS
+from services.worker.backends.vllm_constraints import VLLM_GRAMMAR_BACKENDS, structured_outputs
 from services.worker.engine.api import (
     THROUGHPUT_WINDOW_S,
     EngineRequest,
@@ -63,13 +67,7 @@ from services.worker.engine.api import (
 )
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_cache_manager import cdiv
-from services.worker.engine.loader import (
-    load_model,
-    read_model_facts,
-    save_hf_folder,
-    torch_dtype,
-)
-from services.worker.engine.model_runner import dtype_name
+from services.worker.engine.loader import dtype_name, load_model, save_hf_folder, torch_dtype
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +141,11 @@ class _Import:
 class VllmEngine:
     """The engine API over vLLM (see the module docstring)."""
 
-    def __init__(self, config: EngineConfig, *, kv_wire_format: str = "vllm") -> None:
-        """Loads the model's metadata and fingerprint (blocking); start() launches vLLM."""
+    def __init__(
+        self, config: EngineConfig, *, kv_wire_format: str = "vllm", eager: bool = False
+    ) -> None:
+        """Loads the model's metadata and fingerprint (blocking); start() launches vLLM,
+        compiled by inductor unless `eager`."""
         config.validate()
         if kv_wire_format not in WIRE_FORMATS:
             raise ValueError(
@@ -157,12 +158,14 @@ class VllmEngine:
             config = config.replace(block_size=CPU_BLOCK_MULTIPLE)
         self.config = config
         self._wire_format = kv_wire_format
+        self._eager = eager
         self._work_dir = make_store_dir()
         dtype = torch_dtype(config.dtype, config.device)
         path = resolve_model_path(config.model)
         if path.is_dir():
-            # No model is built here: vLLM loads the weights itself, whatever the architecture.
-            facts = read_model_facts(path, config.model, dtype)
+            # No model is built here: vLLM loads the weights itself, whatever the architecture;
+            # shape, tokenizer and fingerprint come from the files (kvmesh.contracts).
+            facts = read_model_facts(path, config.model, dtype_name(dtype))
             self._model_dir = path
         else:
             # vLLM reads Hugging Face folders: a GGUF model is converted into one first.
@@ -197,8 +200,10 @@ class VllmEngine:
         self._known_hashes: OrderedDict[bytes, None] = OrderedDict()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, kv_wire_format: str = "vllm") -> VllmEngine:
-        return cls(config, kv_wire_format=kv_wire_format)
+    def from_config(
+        cls, config: EngineConfig, *, kv_wire_format: str = "vllm", eager: bool = False
+    ) -> VllmEngine:
+        return cls(config, kv_wire_format=kv_wire_format, eager=eager)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -206,10 +211,13 @@ class VllmEngine:
         """Launch vLLM's engine processes (blocking for the model load, tens of seconds)."""
         if self._llm is not None:
             return
-        # vLLM pins its worker's OpenMP threads to whole cores unless told not to; on a
-        # shared machine the thread count is the engine config's.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        if self.config.num_threads is not None:
+        # vLLM's CPU docs: bind its model runner's OpenMP threads to every core (by default
+        # it keeps one for its engine loop). A set thread count (a shared machine, tests)
+        # binds none and runs that many; VLLM_CPU_OMP_THREADS_BIND in the environment wins.
+        if self.config.num_threads is None:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", every_core())
+        else:
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             os.environ["OMP_NUM_THREADS"] = str(self.config.num_threads)
         try:
             self._llm = AsyncLLM.from_engine_args(
@@ -244,10 +252,14 @@ class VllmEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy="priority",
-            # torch.compile takes minutes on a small CPU; eager is what the engine compares to.
-            enforce_eager=True,
+            enforce_eager=self._eager,
             disable_log_stats=False,
             kv_transfer_config=transfer,
+            # Compact JSON, as on the native engine: no run of whitespace to wander into.
+            structured_outputs_config=StructuredOutputsConfig(
+                backend=VLLM_GRAMMAR_BACKENDS[config.grammar_backend],
+                disable_any_whitespace=True,
+            ),
         )
 
     async def shutdown(self) -> None:
@@ -335,6 +347,11 @@ class VllmEngine:
                         out = await anext(stream)
                 except StopAsyncIteration:
                     return
+                except VLLMValidationError as error:  # raised before any token
+                    constraint = req.sampling.constraint
+                    if constraint is None:
+                        raise ValueError(str(error)) from None
+                    raise ConstraintError(constraint.field, str(error)) from None
                 except TimeoutError:
                     yield self._output(
                         req, [], "", None, FinishReason.DEADLINE, num_output, num_cached
@@ -388,10 +405,7 @@ class VllmEngine:
     def _sampling(
         self, sampling: SamplingParams, max_tokens: int, kv_params: dict[str, Any] | None = None
     ) -> VllmSamplingParams:
-        if sampling.constraint is not None:  # fail closed: never free text in its place
-            raise ConstraintError(
-                sampling.constraint.field, "the vllm engine backend does not take constraints yet"
-            )
+        constraint = sampling.constraint
         return VllmSamplingParams(
             max_tokens=max_tokens,
             temperature=sampling.temperature,
@@ -403,6 +417,7 @@ class VllmEngine:
             logprobs=sampling.logprobs,
             ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=None if constraint is None else structured_outputs(constraint),
             extra_args={"kv_transfer_params": kv_params} if kv_params else None,
         )
 
@@ -476,6 +491,15 @@ class VllmEngine:
             )
         if req.request_id in self._imports:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        constraint = req.sampling.constraint
+        if constraint is not None:
+            # vLLM starts a grammar at the first output token and takes none already produced,
+            # so it could not continue after the prefill's constrained first token.
+            raise ConstraintError(
+                constraint.field,
+                "a vLLM decode worker cannot continue a constrained answer prefilled elsewhere; "
+                "serve it on a colocated worker",
+            )
         self._check_new(req, req.sampling.max_tokens)
         expected = self._hashes(req)
         if list(block_hashes) != expected:
@@ -593,6 +617,11 @@ class VllmEngine:
             self._known_hashes.move_to_end(block_hash)
         while len(self._known_hashes) > self._num_blocks:
             self._known_hashes.popitem(last=False)
+
+
+def every_core() -> str:
+    """VLLM_CPU_OMP_THREADS_BIND naming every core of the machine ("0-1")."""
+    return f"0-{(os.cpu_count() or 1) - 1}"
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:

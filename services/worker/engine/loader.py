@@ -2,13 +2,12 @@
 
 Both paths produce the same thing: a ModelConfig plus weights under Hugging Face names (GGUF
 tensors dequantized with the `gguf` package, Q/K rows un-permuted back from llama.cpp's rope
-layout), which the model then fuses. The fingerprint hashes the config, dtype, quantization
-and every weight tensor once, here.
+layout), which the model then fuses. The fingerprint is kvmesh.contracts.fingerprint's rule (the
+one the vLLM backend applies to the same files), computed once, here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvmesh.contracts.fingerprint import (
+    TensorBytes,
+    fingerprint,
+    folder_fingerprint,
+    safetensors_files,
+)
+from kvmesh.contracts.model_facts import ModelFacts
 from kvmesh.contracts.model_files import (
     ModelLoadError,
     model_name,
@@ -33,7 +39,8 @@ __all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model_path", 
 QUANTIZATIONS = ("none", "int8")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 GGUF_ARCHITECTURES = ("llama",)
-FINGERPRINT_CHARS = 16
+# torch dtypes of dequantized GGUF weights -> the safetensors codes the fingerprint names.
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 # GGUF tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
 GGUF_LAYER_TENSORS = {
@@ -103,12 +110,16 @@ def load_model(
     target_device = torch.device(device)
     target_dtype = dtype or (torch.float32 if target_device.type == "cpu" else torch.bfloat16)
     path = resolve_model_path(spec)
+    dtype_label = dtype_name(target_dtype)
     if path.is_dir():
         config, weights = _read_hf_folder(path)
         tokenizer = Tokenizer.from_hf_folder(path)
+        model_fingerprint = folder_fingerprint(path, dtype_label, quantization)
     else:
         config, weights, tokenizer = _read_gguf(path)
-    fingerprint = weights_fingerprint(config, weights, target_dtype, quantization)
+        model_fingerprint = fingerprint(
+            config.to_hf_dict(), _tensor_bytes(weights), dtype_label, quantization
+        )
     try:
         model = LlamaModel.from_hf_weights(
             config, weights, dtype=target_dtype, device=target_device
@@ -124,83 +135,28 @@ def load_model(
         config=config,
         model=model,
         tokenizer=tokenizer,
-        fingerprint=fingerprint,
+        fingerprint=model_fingerprint,
         quantization=quantization,
         dtype=target_dtype,
         device=target_device,
     )
 
 
-def weights_fingerprint(
-    config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str
-) -> str:
-    """sha256 over the canonical config JSON, dtype, quantization and every weight's bytes."""
-    return _fingerprint(config.to_json_dict(), weights, dtype, quantization)
+def dtype_name(dtype: torch.dtype) -> str:
+    """ "float32" for torch.float32: the dtype as configs and the fingerprint spell it."""
+    return str(dtype).removeprefix("torch.")
 
 
-def _fingerprint(
-    config: dict[str, Any], weights: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str
-) -> str:
-    digest = hashlib.sha256()
-    header = {"config": config, "dtype": str(dtype), "quantization": quantization}
-    digest.update(json.dumps(header, sort_keys=True).encode())
-    for name in sorted(weights):
-        tensor = weights[name].detach().contiguous().cpu()
-        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
-        digest.update(tensor.view(torch.uint8).numpy().data)
-    return digest.hexdigest()[:FINGERPRINT_CHARS]
-
-
-@dataclass(slots=True, frozen=True)
-class ModelFacts:
-    """What a backend that runs the weights itself (vLLM) needs of a Hugging Face folder."""
-
-    name: str
-    tokenizer: Tokenizer
-    fingerprint: str
-    vocab_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-
-
-def read_model_facts(folder: Path, spec: str, dtype: torch.dtype) -> ModelFacts:
-    """A Hugging Face folder's shape, tokenizer and fingerprint, read from its files without
-    building a model. For a folder this engine loads too, the fingerprint is the one load_model
-    gives, so both backends exchange KV; any other architecture is fingerprinted over its own
-    config.json and weights (only vLLM runs it)."""
-    raw = read_json(folder / "config.json")
-    tokenizer = Tokenizer.from_hf_folder(folder)
-    if raw.get("model_type") in SUPPORTED_MODEL_TYPES and raw.get("sliding_window") is None:
-        config, weights = _read_hf_folder(folder)
-        return ModelFacts(
-            name=model_name(spec),
-            tokenizer=tokenizer,
-            fingerprint=weights_fingerprint(config, weights, dtype, "none"),
-            vocab_size=config.vocab_size,
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            max_position_embeddings=config.max_position_embeddings,
+def _tensor_bytes(weights: dict[str, torch.Tensor]) -> list[TensorBytes]:
+    """Weights as the fingerprint reads them from a safetensors file."""
+    result = []
+    for name, weight in weights.items():
+        tensor = weight.detach().contiguous().cpu()
+        data = tensor.view(torch.uint8).numpy().data
+        result.append(
+            TensorBytes(name, SAFETENSORS_DTYPES[tensor.dtype], tuple(tensor.shape), data)
         )
-    weights = {}
-    for file in _safetensors_files(folder):
-        weights |= load_file(str(file))
-    try:
-        num_heads = int(raw["num_attention_heads"])
-        return ModelFacts(
-            name=model_name(spec),
-            tokenizer=tokenizer,
-            fingerprint=_fingerprint(raw, weights, dtype, "none"),
-            vocab_size=int(raw["vocab_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(raw.get("head_dim") or int(raw["hidden_size"]) // num_heads),
-            max_position_embeddings=int(raw["max_position_embeddings"]),
-        )
-    except KeyError as exc:
-        raise ModelLoadError(f"{folder / 'config.json'} lacks the field {exc.args[0]!r}") from exc
+    return result
 
 
 def save_hf_folder(loaded: LoadedModel, out_dir: Path) -> None:
@@ -258,25 +214,9 @@ def _read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     except ValueError as exc:
         raise ModelLoadError(f"{config_path}: {exc}") from exc
     weights: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(folder):
+    for file in safetensors_files(folder):
         weights |= load_file(str(file))
     return config, weights
-
-
-def _safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(read_json(index).get("weight_map", {}).values()))
-        missing = [name for name in names if not (folder / name).is_file()]
-        if missing:
-            raise ModelLoadError(
-                f"{folder}: weight files listed in {index.name} missing: {missing}"
-            )
-        return [folder / name for name in names]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{folder} has no *.safetensors weight files")
-    return files
 
 
 def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:

@@ -25,12 +25,8 @@ from services.worker.engine.attention import (
 )
 from services.worker.engine.decode_kernel import DecodeKernel
 from services.worker.engine.linear_kernel import SmallBatchLinear
-from services.worker.engine.loader import LoadedModel
+from services.worker.engine.loader import LoadedModel, dtype_name
 from services.worker.engine.models.llama import ModelConfig, Project, project_with_torch
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(slots=True)

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from kvmesh.contracts.model_facts import read_model_facts
 from services.worker.engine import loader
 from services.worker.engine.loader import (
     ModelLoadError,
     load_model,
-    read_model_facts,
     resolve_model_path,
     save_hf_folder,
 )
@@ -123,21 +123,22 @@ def test_save_hf_folder_round_trips(tiny_llama_dir: Path, tmp_path: Path) -> Non
 def test_model_facts_come_from_the_files_with_the_native_fingerprint(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the vLLM backend reads of a folder: no model is built, and the fingerprint is the
-    native engine's, so the two backends can exchange KV."""
+    """What the vLLM backend reads of a folder: no model is built (not even imported: the facts
+    are torch-free), and the fingerprint is the native engine's, so the two backends can
+    exchange KV."""
     loaded = load_model(str(tiny_llama_dir))
 
     def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("a model was built")
 
     monkeypatch.setattr(loader.LlamaModel, "from_hf_weights", no_model)
-    facts = read_model_facts(tiny_llama_dir, str(tiny_llama_dir), torch.float32)
+    facts = read_model_facts(tiny_llama_dir, str(tiny_llama_dir), "float32")
     assert dataclasses.replace(facts, tokenizer=loaded.tokenizer) == loaded.facts()
     assert facts.tokenizer.encode("The quick brown fox") == loaded.tokenizer.encode(
         "The quick brown fox"
     )
     assert facts.fingerprint == loaded.fingerprint
-    assert read_model_facts(tiny_llama_dir, "x", torch.bfloat16).fingerprint != facts.fingerprint
+    assert read_model_facts(tiny_llama_dir, "x", "bfloat16").fingerprint != facts.fingerprint
 
 
 def test_model_facts_of_an_architecture_only_vllm_runs(
@@ -149,7 +150,7 @@ def test_model_facts_of_an_architecture_only_vllm_runs(
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="qwen2"):
         load_model(str(other))  # the native engine does not run it
-    facts = read_model_facts(other, str(other), torch.float32)
+    facts = read_model_facts(other, str(other), "float32")
     native = load_model(str(tiny_llama_dir)).facts()
     assert (facts.num_layers, facts.num_kv_heads, facts.head_dim, facts.vocab_size) == (
         native.num_layers,
@@ -158,4 +159,4 @@ def test_model_facts_of_an_architecture_only_vllm_runs(
         native.vocab_size,
     )
     assert facts.fingerprint != native.fingerprint
-    assert read_model_facts(other, str(other), torch.float32).fingerprint == facts.fingerprint
+    assert read_model_facts(other, str(other), "float32").fingerprint == facts.fingerprint
