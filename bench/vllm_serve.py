@@ -3,9 +3,11 @@
     .venv/bin/python -m bench.vllm_serve [--vllm-venv .venv-vllm] [--quick]
 
 `vllm bench serve` (from the vLLM environment of `make test-vllm`: a client no one here wrote)
-drives, with the same workload and in one run, first `kvmesh up`'s disaggregated stack through
-its OpenAI HTTP door, then `vllm serve` on the same weights (the GGUF written out as a Hugging
-Face folder, fp32, eager, CPU), each through the OpenAI completions and chat backends.
+drives, with the same workload and in one run, first `kvmesh up`'s stack (its default mode, or
+--mode) through its OpenAI HTTP door, then `vllm serve` on the same weights (the GGUF written
+out as a Hugging Face folder, fp32, CPU) started as vLLM's CPU docs recommend (compiled, threads
+bound to every core, the environment of bench.peers), each through the OpenAI completions and
+chat backends.
 Reported: output tok/s, TTFT, TPOT and ITL as vLLM's client measures them. Writes
 bench/results/vllm_serve.json and .png and the "vllm bench serve" section of BENCHMARKS.md.
 """
@@ -30,7 +32,9 @@ from rich.console import Console
 
 from bench.mesh import running_stack
 from bench.openai_http import cpu_name
+from bench.peers import vllm_environment
 from bench.report import RESULTS, repeat_command, save_figure, write_results, write_section
+from kvmesh.stack import StackOptions
 
 HEADING = "## vllm bench serve"
 BACKENDS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
@@ -80,12 +84,12 @@ def bench_serve(
 @contextlib.contextmanager
 def vllm_server(args: argparse.Namespace, folder: Path, log: Path) -> Iterator[str]:
     """`vllm serve` on the exported folder until the block ends; yields its base URL."""
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, **vllm_environment()}
     command = [
         str(args.vllm_venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(folder),
         "--served-model-name", args.model, "--host", "127.0.0.1", "--port", str(VLLM_PORT),
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
+        "--dtype", "float32", "--max-model-len", "2048",
     ]  # fmt: skip
     with log.open("w") as output:
         server = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env)
@@ -119,7 +123,7 @@ async def kvmesh_runs(
 ) -> dict[str, Any]:
     import asyncio
 
-    async with running_stack(args, port_offset=1200) as services:
+    async with running_stack(args, port_offset=1200, mode=args.mode) as services:
         door = f"http://{next(s for s in services if s.http).address}"
         runs = {}
         for backend in BACKENDS:
@@ -147,6 +151,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 vllm[backend] = bench_serve(args, base_url, backend, folder, out)
     return {
         "model": args.model,
+        "mode": args.mode,
         "cpu": cpu_name(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "load_average_before": load_before,
@@ -173,10 +178,10 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "`vllm bench serve` (random dataset, "
         f"{work['input_len']} input and {work['output_len']} output tokens, EOS ignored, "
         f"temperature 0, {work['num_prompts']} prompts at concurrency {work['concurrency']}). "
-        "kvmesh: `kvmesh up`'s disaggregated stack (gateway, router, one prefill and one decode "
-        "worker, the response cache) behind its OpenAI HTTP door. vLLM: `vllm serve` of the same "
-        "weights as a Hugging Face folder, fp32, eager, on the same CPU cores. One after the "
-        "other, never at once.",
+        f"kvmesh: `kvmesh up --mode {report.get('mode', 'disaggregated')}` (gateway, router, "
+        "the response cache, the workers) behind its OpenAI HTTP door. vLLM: `vllm serve` of the "
+        "same weights as a Hugging Face folder, fp32, compiled, VLLM_CPU_OMP_THREADS_BIND over "
+        "every core, on the same CPU cores. One after the other, never at once.",
         "",
         "| server | backend | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
         "| ITL p50 ms |",
@@ -221,6 +226,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quick", action="store_true", help="fewer prompts")
+    parser.add_argument(
+        "--mode",
+        choices=["disaggregated", "colocated"],
+        default=StackOptions().mode,
+        help="kvmesh up's mode (default: its own default)",
+    )
     parser.add_argument("--vllm-venv", type=Path, default=Path(".venv-vllm"))
     parser.add_argument("--num-prompts", type=int, default=None, help="default 32, quick 8")
     parser.add_argument("--concurrency", type=int, default=8)
