@@ -16,9 +16,12 @@ import grpc
 import jsonschema
 import pytest
 import pytest_asyncio
+from vllm import SamplingParams as VllmSamplingParams
+from vllm.inputs import TokensPrompt
 
-from kvmesh.contracts.constraints import Constraint, ConstraintKind
+from kvmesh.contracts.constraints import Constraint, ConstraintKind, StructuralTag, Structure
 from kvmesh.v1 import common_pb2, worker_pb2
+from services.worker.backends.vllm_constraints import structured_outputs
 from tests.service.worker_mesh import (
     InProcessWorker,
     all_idle,
@@ -27,8 +30,8 @@ from tests.service.worker_mesh import (
     prefill_request,
     request,
 )
-from tests.unit.engine.test_structured_output import GRAMMARS, SCHEMAS
-from tests.vllm.conftest import start_vllm_worker
+from tests.unit.engine.test_structured_output import CALL_SCHEMA, GRAMMARS, SCHEMAS
+from tests.vllm.conftest import start_vllm_worker, vllm_engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -56,6 +59,8 @@ def sampling(constraint: Constraint, seed: int | None = None) -> common_pb2.Samp
         params.regex = constraint.text
     elif kind is ConstraintKind.CHOICE:
         params.choice.options.extend(constraint.options)
+    elif kind is ConstraintKind.STRUCTURAL_TAG:
+        params.structural_tag = constraint.text
     else:
         params.grammar.notation = _NOTATIONS[kind]
         params.grammar.source = constraint.text
@@ -150,3 +155,45 @@ async def test_a_constrained_hand_off_to_a_vllm_decode_worker_is_refused(
     assert (raised.value.details() or "").startswith("sampling.regex:")
     await worker.stub.ReleaseKv(worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id))
     assert await all_idle([worker.stub])
+
+
+def angle_tag(stop_after_first: bool) -> Constraint:
+    """A structural tag whose trigger is one byte token: "<", a JSON value, ">"."""
+    tag = StructuralTag(("<",), (Structure("<", CALL_SCHEMA, ">"),), stop_after_first)
+    return Constraint(ConstraintKind.STRUCTURAL_TAG, tag.as_json())
+
+
+async def test_a_structural_tag_leaves_untriggered_text_free(worker: InProcessWorker) -> None:
+    """The greedy answer never writes the trigger here: token for token the free answer."""
+    free = common_pb2.SamplingParams(max_tokens=40, ignore_eos=True)
+    plain = await colocated(worker.stub, request("plain", PROMPT, free))
+    assert "<" not in plain.text
+    tagged = sampling(angle_tag(False))
+    tagged.max_tokens, tagged.ignore_eos = 40, True
+    result = await colocated(worker.stub, request("tagged", PROMPT, tagged))
+    assert result.token_ids == plain.token_ids
+    assert await all_idle([worker.stub])
+
+
+async def test_a_triggered_structure_validates_and_ends_the_answer(
+    worker: InProcessWorker,
+) -> None:
+    """The mapped tag straight on vLLM, its trigger made certain with vLLM's logit bias (which
+    the grammar's mask overrides inside the structure): the value validates, the answer
+    stops after the first structure."""
+    engine = vllm_engine(worker)
+    trigger = engine.tokenizer.backend.token_to_id("<")
+    params = VllmSamplingParams(
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        logit_bias={trigger: 100.0},
+        structured_outputs=structured_outputs(angle_tag(True), "xgrammar"),
+    )
+    outputs = [
+        out
+        async for out in engine.llm.generate(TokensPrompt(prompt_token_ids=PROMPT), params, "angle")
+    ]
+    final = outputs[-1].outputs[0]
+    assert final.finish_reason == "stop", final.text
+    assert final.text.startswith("<") and final.text.endswith(">"), final.text
+    jsonschema.validate(json.loads(final.text[1:-1]), CALL_SCHEMA)

@@ -417,7 +417,11 @@ class VllmEngine:
             logprobs=sampling.logprobs,
             ignore_eos=sampling.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
-            structured_outputs=None if constraint is None else structured_outputs(constraint),
+            structured_outputs=(
+                None
+                if constraint is None
+                else structured_outputs(constraint, self.config.grammar_backend)
+            ),
             extra_args={"kv_transfer_params": kv_params} if kv_params else None,
         )
 
