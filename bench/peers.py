@@ -186,6 +186,9 @@ class Region:
     load_start: float = 0.0
     load_end: float = 0.0
     other_cores: float = 0.0
+    own_cores: dict[str, float] = field(default_factory=dict)
+    """Cores each kind of process of the system under test used (by its name: the module a
+    kvmesh service runs, vLLM's process titles), where the serving work goes."""
 
     @property
     def disturbed(self) -> bool:
@@ -206,8 +209,27 @@ def timed_region() -> Iterator[Region]:
         for pid, (_, ticks) in after.items()
         if pid not in ours and ticks >= before.get(pid, (0, 0))[1]
     )
-    region.other_cores = others / os.sysconf("SC_CLK_TCK") / max(region.seconds, 1e-9)
+    per_second = os.sysconf("SC_CLK_TCK") * max(region.seconds, 1e-9)
+    region.other_cores = others / per_second
+    for pid in ours & set(after):
+        used = after[pid][1] - before.get(pid, (0, 0))[1]
+        if used > 0:
+            name = _process_name(pid)
+            region.own_cores[name] = region.own_cores.get(name, 0.0) + used / per_second
     region.load_end = os.getloadavg()[0]
+
+
+def _process_name(pid: int) -> str:
+    """`services.worker` for `python -m services.worker ...`, else the process title's first
+    word ("VLLM::EngineCore", "python")."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "gone"
+    words = [word.decode(errors="replace") for word in argv if word]
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1]
+    return Path(words[0]).name if words else "?"
 
 
 # ---- offline row: each library in a child process of its own -------------------------------
@@ -983,6 +1005,17 @@ def step_lines(report: Report) -> list[str]:
     return lines
 
 
+def serving_cpu_lines(report: Report) -> list[str]:
+    """Per system, the cores each of its processes used in its first serving run."""
+    lines = []
+    for system, rows in report.servers.items():
+        used = rows.get("serving", [{}])[0].get("region", {}).get("own_cores")
+        if used:
+            ranked = sorted(used.items(), key=lambda item: -item[1])
+            lines.append(f"{system}: " + ", ".join(f"{name} {c:.2f}" for name, c in ranked))
+    return lines
+
+
 def disturbance_lines(report: Report) -> list[str]:
     lines = []
     for system, runs in report.offline.items():
@@ -1038,6 +1071,10 @@ def markdown(report: Report, command: str) -> str:
     steps = step_lines(report)
     if steps:
         lines += ["", "Against the machine:", "", *steps]
+    serving_cpu = serving_cpu_lines(report)
+    if serving_cpu:
+        lines += ["", "Cores used on the serving row, by process (the client is bench.peers):", ""]
+        lines += [f"- {line}" for line in serving_cpu]
     lines += [
         "",
         f"Timed regions (a region where other processes used over {DISTURBED_CORES} cores is "
