@@ -45,10 +45,28 @@ TINY_CHAT_TEMPLATE = (
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random Llama (GQA, untied embeddings, llama3 rope scaling active past 64
     positions) with a byte-level BPE tokenizer trained here, saved as a Hugging Face folder."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+TOOL_CALL_TOKENS = ["<tool_call>", "</tool_call>"]
+
+
+@pytest.fixture(scope="session")
+def tiny_tool_caller_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random Llama with `<tool_call>` and `</tool_call>` as tokens of their own and
+    weights set so that `<tool_call>` is its most likely next token at every position: a model
+    that always wants to call a tool, so tool_choice auto meets a trigger deterministically.
+    (Every embedding carries a large constant in dimension 0, which keeps that dimension of
+    the final hidden state positive; only the `<tool_call>` row of the LM head reads it.)"""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_tool_caller"), eager=TOOL_CALL_TOKENS)
+
+
+def save_tiny_llama(out: Path, eager: list[str] | None = None) -> Path:
+    """Trains the tokenizer, builds the model (seed 0) and saves both in `out`; with `eager`,
+    those strings become added tokens and the first one the model's favourite."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    out = tmp_path_factory.mktemp("tiny_llama")
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -60,6 +78,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         show_progress=False,
     )
     backend.train_from_iterator(TINY_CORPUS, trainer=trainer)
+    if eager:
+        backend.add_tokens(eager)
     hf_tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>"
     )
@@ -90,6 +110,11 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)  # fp32: torch's default dtype
+    if eager:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, 0] = 30.0
+            model.lm_head.weight[:, 0] = 0.0
+            model.lm_head.weight[backend.token_to_id(eager[0]), 0] = 100.0
     model.save_pretrained(out)
     return out
 

@@ -23,7 +23,6 @@ from kvmesh.contracts.sampling import AUTO_MODEL, is_deterministic
 from kvmesh.errors import (
     AlreadyExists,
     DeadlineExceeded,
-    InvalidArgument,
     KvmeshError,
     NotFound,
     QuotaViolation,
@@ -49,7 +48,7 @@ from services.admission.idempotency import Claim, IdempotencyStore
 from services.admission.metering import ModelTotals, UsageMeter
 from services.admission.pricing import PriceTable, TokenCounts, request_cost
 from services.admission.quotas import Quotas, Reservation
-from services.admission.tool_calls import parse_call, plan_tools
+from services.admission.tool_calls import ToolPlan, answer_calls, constrain_answer, plan_tools
 from services.admission.transcript import Transcript, cache_hit_chunks
 from services.admission.validation import (
     RequestLimits,
@@ -108,8 +107,9 @@ class Job:
     labels: dict[str, str]
     stop_at: float | None
     """time.monotonic() at which the request must end, with a margin before the deadline."""
-    answers_with_a_call: bool = False
-    """The answer is constrained to a tool call and is returned parsed (tool_calls.py)."""
+    tool_plan: ToolPlan | None = None
+    """The answer is constrained to (or may end with) a tool call, returned parsed
+    (tool_calls.py); None: no tool constrains it."""
 
     @property
     def budget_tokens(self) -> int:
@@ -228,13 +228,8 @@ class Gateway:
             vocab_size=tokenizer.vocab_size,
             limits=self.limits,
         )
-        answer_schema = tools.answer_schema if tools is not None else None
-        if answer_schema is not None:
-            if sampling.WhichOneof("constraint") is not None:
-                raise InvalidArgument(
-                    "sampling", "a required tool call constrains the answer: set no constraint"
-                )
-            sampling.json_schema = answer_schema
+        tool_plan = tools if tools is not None and constrain_answer(tools, sampling) else None
+        if tool_plan is not None:
             checked_constraint(sampling)  # the tools' schemas are bounded like any schema
         return Job(
             tenant=tenant,
@@ -247,7 +242,7 @@ class Gateway:
             cache_policy=envelope.cache_policy,
             labels=dict(request.labels),
             stop_at=_stop_at(arrived, time_remaining_s),
-            answers_with_a_call=answer_schema is not None,
+            tool_plan=tool_plan,
         )
 
     async def _admit_and_run(
@@ -296,8 +291,8 @@ class Gateway:
             and self._stored_tier(job, transcript)
         ):
             await self._store(key, transcript)
-        if job.answers_with_a_call:
-            _as_tool_call(transcript)
+        if job.tool_plan is not None:
+            _as_tool_calls(transcript, job.tool_plan)
         yield common_pb2.GenerateEvent(finished=transcript.finished)
 
     async def _produce(
@@ -592,14 +587,17 @@ def mesh_request_id(tenant: str, request_id: str) -> str:
     return f"{tenant}/{request_id}"
 
 
-def _as_tool_call(transcript: Transcript) -> None:
-    """A complete answer produced under the call schema becomes its parsed ToolCall and the
-    TOOL_CALLS finish reason; one cut short (LENGTH, ...) stays as it is: it does not parse."""
+def _as_tool_calls(transcript: Transcript, plan: ToolPlan) -> None:
+    """A complete answer produced under a tool constraint gets its parsed ToolCalls and, when
+    it made one, the TOOL_CALLS finish reason; one cut short (LENGTH, ...) stays as it is: it
+    may not parse."""
     finished = transcript.finished
     if finished is None or finished.finish_reason != common_pb2.FINISH_REASON_STOP:
         return
-    finished.tool_calls.append(parse_call("".join(transcript.text)))
-    finished.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
+    calls = answer_calls(plan, "".join(transcript.text))
+    if calls:
+        finished.tool_calls.extend(calls)
+        finished.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
 
 
 def _service_s(job: Job) -> float | None:

@@ -8,8 +8,12 @@ one JSON object {"name": ..., "arguments": {...}}; earlier calls are rendered as
 With tool_choice REQUIRED (or a NAMED tool) the whole answer is constrained by a JSON Schema
 (one call of one of the tools, its arguments validating against that tool's schema), so the
 call always parses; the gateway turns the answer into a ToolCall with a fresh id and the
-finish reason TOOL_CALLS. NONE leaves the answer free text. AUTO (the model chooses between
-text and a call) needs a grammar that starts at a trigger and is refused until it exists.
+finish reason TOOL_CALLS. NONE leaves the answer free text. AUTO (the default with tools: the
+model chooses between text and a call) constrains the answer with a structural tag: the text
+is free until the model writes `<tool_call>`, and from there it must write a newline, one call
+as above, a newline and `</tool_call>`, which ends the answer. So an AUTO answer is text, or
+text followed by one tagged call; the tools are rendered natively only by a template that
+writes calls in that tag (Hermes/Qwen style), otherwise in kvmesh's format, which asks for it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.contracts.constraints import StructuralTag, Structure
 from kvmesh.errors import InvalidArgument
 from kvmesh.v1 import common_pb2
 
@@ -28,6 +33,13 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 KVMESH_TOOLS_HEADER = (
     "You can call these tools. To call one, answer with only a JSON object "
     '{"name": <tool name>, "arguments": <arguments object>}.\nTools:\n'
+)
+CALL_TRIGGER = "<tool_call>"
+CALL_BEGIN = CALL_TRIGGER + "\n"
+CALL_END = "\n</tool_call>"
+KVMESH_TAGGED_TOOLS_HEADER = (
+    "You can call these tools. To call one, write\n<tool_call>\n"
+    '{"name": <tool name>, "arguments": <arguments object>}\n</tool_call>\nTools:\n'
 )
 _ANY_OBJECT = {"type": "object"}
 
@@ -39,7 +51,14 @@ class ToolPlan:
     tools: list[dict[str, Any]]
     """The tools as the OpenAI-style dicts chat templates read."""
     answer_schema: str | None
-    """The JSON Schema constraining the answer to a call (None: free text)."""
+    """The JSON Schema constraining the whole answer to a call (REQUIRED, NAMED)."""
+    call_tag: str | None = None
+    """The structural tag (JSON text) constraining a tagged call within free text (AUTO)."""
+
+    @property
+    def tagged(self) -> bool:
+        """Calls are written inside <tool_call> tags (AUTO)."""
+        return self.call_tag is not None
 
 
 def plan_tools(chat: common_pb2.ChatMessages) -> ToolPlan | None:
@@ -52,10 +71,7 @@ def plan_tools(chat: common_pb2.ChatMessages) -> ToolPlan | None:
         return None
     tools = _checked_tools(chat.tools)
     if mode in (common_pb2.TOOL_CHOICE_MODE_UNSPECIFIED, common_pb2.TOOL_CHOICE_MODE_AUTO):
-        raise InvalidArgument(
-            "prompt.chat.tool_choice",
-            "auto is not supported yet: choose required, a named tool, or none",
-        )
+        return ToolPlan(tools, None, _call_tag(tools))
     if mode == common_pb2.TOOL_CHOICE_MODE_NONE:
         return ToolPlan(tools, None)
     if mode == common_pb2.TOOL_CHOICE_MODE_NAMED:
@@ -68,6 +84,22 @@ def plan_tools(chat: common_pb2.ChatMessages) -> ToolPlan | None:
     if mode != common_pb2.TOOL_CHOICE_MODE_REQUIRED:
         raise InvalidArgument("prompt.chat.tool_choice.mode", f"unknown mode {mode}")
     return ToolPlan(tools, json.dumps({"anyOf": [_call_schema(t) for t in tools]}))
+
+
+def constrain_answer(plan: ToolPlan, sampling: common_pb2.SamplingParams) -> bool:
+    """Puts the plan's constraint into the request's sampling; False when it has none (NONE:
+    free text). A request that brings a constraint of its own as well is refused."""
+    if plan.answer_schema is None and plan.call_tag is None:
+        return False
+    if sampling.WhichOneof("constraint") is not None:
+        raise InvalidArgument(
+            "sampling", "the tool choice constrains the answer: set no constraint as well"
+        )
+    if plan.answer_schema is not None:
+        sampling.json_schema = plan.answer_schema
+    else:
+        sampling.structural_tag = plan.call_tag or ""
+    return True
 
 
 def _checked_tools(definitions: Any) -> list[dict[str, Any]]:
@@ -97,6 +129,11 @@ def _checked_tools(definitions: Any) -> list[dict[str, Any]]:
     return tools
 
 
+def _call_tag(tools: list[dict[str, Any]]) -> str:
+    structure = Structure(CALL_BEGIN, {"anyOf": [_call_schema(t) for t in tools]}, CALL_END)
+    return StructuralTag((CALL_TRIGGER,), (structure,), stop_after_first=True).as_json()
+
+
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     function = tool["function"]
     return {
@@ -112,6 +149,14 @@ def template_takes_tools(chat_template: str | None) -> bool:
     return chat_template is not None and re.search(r"\btools\b", chat_template) is not None
 
 
+def renders_natively(plan: ToolPlan | None, chat_template: str | None) -> bool:
+    """Whether the template shows the tools itself: it takes them and, for tagged calls,
+    writes calls in the same tag (else kvmesh's format asks for the tag)."""
+    if plan is None or not template_takes_tools(chat_template):
+        return False
+    return not plan.tagged or CALL_TRIGGER in (chat_template or "")
+
+
 def chat_turns(
     chat: common_pb2.ChatMessages, plan: ToolPlan | None, native: bool
 ) -> list[dict[str, Any]]:
@@ -120,7 +165,8 @@ def chat_turns(
     turns: list[dict[str, Any]] = []
     if plan is not None and not native:
         listing = "\n".join(json.dumps(tool["function"]) for tool in plan.tools)
-        turns.append({"role": "system", "content": KVMESH_TOOLS_HEADER + listing})
+        header = KVMESH_TAGGED_TOOLS_HEADER if plan.tagged else KVMESH_TOOLS_HEADER
+        turns.append({"role": "system", "content": header + listing})
     for message in chat.messages:
         turn: dict[str, Any] = {"role": message.role, "content": message.content}
         if message.tool_calls:
@@ -128,14 +174,17 @@ def chat_turns(
             if native:
                 turn["tool_calls"] = calls
             else:
-                turn["content"] = "\n".join(
-                    json.dumps({"name": c["function"]["name"], "arguments": c["arguments"]})
-                    for c in calls
-                )
+                tagged = plan is not None and plan.tagged
+                turn["content"] = "\n".join(_call_text(c, tagged) for c in calls)
         if message.tool_call_id:
             turn["tool_call_id"] = message.tool_call_id
         turns.append(turn)
     return turns
+
+
+def _call_text(call: dict[str, Any], tagged: bool) -> str:
+    text = json.dumps({"name": call["function"]["name"], "arguments": call["arguments"]})
+    return CALL_BEGIN + text + CALL_END if tagged else text
 
 
 def _call_turn(call: common_pb2.ToolCall) -> dict[str, Any]:
@@ -151,10 +200,26 @@ def _call_turn(call: common_pb2.ToolCall) -> dict[str, Any]:
     }
 
 
+def split_answer(text: str) -> tuple[str, str | None]:
+    """An AUTO answer's free text and its tagged call's JSON (None: no complete call)."""
+    free, trigger, rest = text.partition(CALL_BEGIN)
+    if not trigger or not rest.endswith(CALL_END):
+        return text, None
+    return free, rest[: -len(CALL_END)]
+
+
+def answer_calls(plan: ToolPlan, text: str) -> list[common_pb2.ToolCall]:
+    """The calls of a complete answer produced under the plan's constraint (none: text)."""
+    if not plan.tagged:
+        return [parse_call(text)]
+    call = split_answer(text)[1]
+    return [] if call is None else [parse_call(call)]
+
+
 def parse_call(text: str) -> common_pb2.ToolCall:
     """The ToolCall an answer produced under the call schema is (ValueError if it is not:
     an answer cut short, e.g. by max_tokens)."""
-    call = json.loads(text, strict=False)
+    call = json.loads(text)
     return common_pb2.ToolCall(
         id=f"call_{uuid.uuid4().hex[:24]}",
         name=str(call["name"]),

@@ -23,7 +23,7 @@ from kvmesh.request_limits import (
 from kvmesh.tenants import PriorityClass
 from kvmesh.v1 import common_pb2, gateway_pb2
 from services.admission.catalog import ModelSpec, TokenizerLike
-from services.admission.tool_calls import ToolPlan, chat_turns, template_takes_tools
+from services.admission.tool_calls import ToolPlan, chat_turns, renders_natively
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 MAX_CHAT_MESSAGES = 512
@@ -98,7 +98,7 @@ def prompt_token_ids(
         ids = tokenizer.encode(prompt.text)
     elif kind == "chat":
         _check_chat(prompt.chat)
-        native = tools is not None and template_takes_tools(tokenizer.chat_template)
+        native = renders_natively(tools, tokenizer.chat_template)
         messages = chat_turns(prompt.chat, tools, native)
         try:
             ids = tokenizer.apply_chat_template(

@@ -1,9 +1,11 @@
 """The OpenAI HTTP door in front of a real gateway, router, cache and worker (subprocesses).
 
 One mesh per module on the tiny random Llama: a colocated worker, the router, the response
-cache, a gateway with a tenants file, and the door. The official `openai` SDK and raw httpx
-talk to the door; the kvmesh SDK talks to the gateway beside it, and both must agree token for
-token.
+cache, a gateway with a tenants file, and the door; a second tier, `caller`, is the tiny model
+that always wants to call a tool (tests/conftest.py) on a worker whose grammar backend is
+llguidance, so tool_choice auto meets its trigger and both backends serve through the mesh.
+The official `openai` SDK and raw httpx talk to the door; the kvmesh SDK talks to the gateway
+beside it, and both must agree token for token.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 import yaml
@@ -35,6 +38,7 @@ from tests.service.worker_mesh import KV_BLOCKS, worker_args
 pytestmark = pytest.mark.e2e
 
 TIER = "tiny"
+CALLER = "caller"
 LONG_PROMPT = "Numbers: 0 1 2"
 """A prompt the tiny model continues for hundreds of tokens (ignore_eos makes sure)."""
 GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"cache_policy": "bypass"}}
@@ -43,6 +47,7 @@ GREEDY: dict[str, Any] = {"temperature": 0, "extra_body": {"cache_policy": "bypa
 @dataclass
 class Mesh:
     worker: ServiceProcess
+    caller: ServiceProcess
     gateway: ServiceProcess
     door: ServiceProcess
     keys: dict[str, str]
@@ -63,7 +68,9 @@ class Mesh:
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+def mesh(
+    tiny_llama_dir: Path, tiny_tool_caller_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Mesh]:
     state = tmp_path_factory.mktemp("openai_mesh")
     started: list[ServiceProcess] = []
     try:
@@ -71,12 +78,17 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             "services.worker", worker_args(tiny_llama_dir, "colocated", "--tier", TIER)
         )
         started.append(worker)
-        pools = state / "pools.yaml"
-        pools.write_text(
-            yaml.safe_dump(
-                {"tiers": [{"name": TIER, "base_model": TIER, "colocated": [worker.address]}]}
-            )
+        caller_flags = ("--tier", CALLER, "--grammar-backend", "llguidance")
+        caller = start_service(
+            "services.worker", worker_args(tiny_tool_caller_dir, "colocated", *caller_flags)
         )
+        started.append(caller)
+        pools = state / "pools.yaml"
+        tiers = [
+            {"name": name, "base_model": name, "colocated": [process.address]}
+            for name, process in ((TIER, worker), (CALLER, caller))
+        ]
+        pools.write_text(yaml.safe_dump({"tiers": tiers}))
         router = start_service(
             "services.router", ["--config", str(pools), "--port", "0", "--metrics-port", "-1"]
         )
@@ -98,7 +110,7 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
                 "--cache",
                 cache.address,
                 "--model-path",
-                f"{TIER}={tiny_llama_dir}",
+                f"{TIER}={tiny_llama_dir},{CALLER}={tiny_tool_caller_dir}",
                 "--tenants",
                 str(tenants),
                 "--port",
@@ -113,7 +125,7 @@ def mesh(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             ["--gateway", gateway.address, "--port", "0", "--metrics-port", "0"],
         )
         started.append(door)
-        running = Mesh(worker, gateway, door, keys)
+        running = Mesh(worker, caller, gateway, door, keys)
         wait_until_served(running)
         yield running
     finally:
@@ -127,7 +139,8 @@ def wait_until_served(mesh: Mesh, timeout: float = 60.0) -> None:
     client = mesh.openai()
     while True:
         try:
-            client.completions.create(model=TIER, prompt="warm up", max_tokens=1, **GREEDY)
+            for tier in (TIER, CALLER):
+                client.completions.create(model=tier, prompt="warm up", max_tokens=1, **GREEDY)
             return
         except openai.APIError:
             if time.monotonic() > deadline:
@@ -302,8 +315,9 @@ def test_list_models_health_and_metrics(mesh: Mesh) -> None:
     assert healthcheck(["--http", mesh.door.address]) == 0
     metrics = httpx.get(f"http://127.0.0.1:{mesh.door.metrics_port}/metrics").text
     assert 'kvmesh:http_responses_total{route="/v1/completions",status="200"}' in metrics
-    [model] = mesh.openai().models.list().data
-    assert model.id == TIER and (model.model_extra or {})["max_model_len"] == 512
+    models = {model.id: model for model in mesh.openai().models.list().data}
+    assert sorted(models) == sorted([TIER, CALLER])
+    assert (models[TIER].model_extra or {})["max_model_len"] == 512
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -577,3 +591,67 @@ def test_malformed_bodies_get_clear_400s_and_the_door_stays_healthy(mesh: Mesh) 
         check()
         assert http.get(f"http://{mesh.door.address}/health").status_code == 200
     wait_until_idle(mesh, 5.0)
+
+
+# --- tool calls (issue 16.8) -------------------------------------------------------------------
+
+# Small: the tiny model's context is 512 tokens, and its tokenizer spends about one a character.
+WEATHER_TOOL = {
+    "name": "weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+CLOCK_TOOL = {
+    "name": "clock",
+    "parameters": {
+        "type": "object",
+        "properties": {"h": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["h"],
+    },
+}
+TOOL_SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER_TOOL, CLOCK_TOOL)}
+
+
+def test_auto_tool_choice_through_the_sdk(mesh: Mesh) -> None:
+    """tool_choice auto (the default with tools): the caller model writes <tool_call> first
+    thing, and from there the structural tag holds it to one call of one of the tools, greedy
+    and sampled: it parses and validates, finish reason tool_calls. The same model with
+    tool_choice none writes <tool_call> on and on, which is no call: the constraint made the
+    call. The random tiny model under auto writes free text and no call. The call and its
+    result go back as assistant and tool turns and the conversation continues."""
+    question = [{"role": "user", "content": f"Weather? {uuid.uuid4().hex[:6]}"}]
+    tools = [WEATHER_TOOL, CLOCK_TOOL]
+    with mesh.grpc_client() as client:
+        greedy = client.generate(question, model=CALLER, max_tokens=60, tools=tools)
+        sampled = [
+            client.generate(
+                question, model=CALLER, max_tokens=60, tools=tools, temperature=0.9, seed=seed
+            )
+            for seed in range(3)
+        ]
+        unconstrained = client.generate(
+            question, model=CALLER, max_tokens=12, tools=tools, tool_choice="none"
+        )
+        free = client.generate(question, model=TIER, max_tokens=24, tools=tools)
+        (call,) = greedy.tool_calls
+        conversation: list[dict[str, Any]] = [
+            *question,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "sunny", "tool_call_id": call.id},
+        ]
+        after = client.generate(conversation, model=CALLER, max_tokens=60, tools=[CLOCK_TOOL])
+    for result in (greedy, *sampled, after):
+        assert result.finish_reason == "tool_calls", result.text
+        (made,) = result.tool_calls
+        assert made.id.startswith("call_") and made.name in TOOL_SCHEMAS
+        assert result.text.startswith("<tool_call>\n") and result.text.endswith("</tool_call>")
+        jsonschema.validate(made.arguments, TOOL_SCHEMAS[made.name])
+    assert unconstrained.text.startswith("<tool_call><tool_call>")
+    assert unconstrained.finish_reason == "length" and not unconstrained.tool_calls
+    assert free.finish_reason in ("length", "stop") and not free.tool_calls
+    assert "<tool_call>" not in free.text and free.usage.completion_tokens > 0
+    assert after.tool_calls[0].name == "clock"

@@ -73,6 +73,9 @@ class EngineConfig:
 
     grammar_compile_threads: int = 2
     """Threads compiling constraints off the step loop."""
+
+    grammar_cache_entries: int = 256
+    """Compiled constraints kept per engine (least recently used dropped beyond this)."""
     large_batch_linear: str = "auto"
     """Where the small-batch kernel runs, how the float32 projections of steps of 17-128 rows
     run: "onednn" (oneDNN's matmul on weights reordered once into its layout: a second copy of
@@ -99,6 +102,7 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_num_seqs": self.max_num_seqs,
             "grammar_compile_threads": self.grammar_compile_threads,
+            "grammar_cache_entries": self.grammar_cache_entries,
         }
         if self.num_kv_blocks is not None:
             positive["num_kv_blocks"] = self.num_kv_blocks

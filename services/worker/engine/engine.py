@@ -90,6 +90,7 @@ class Engine:
             make_backend(config.grammar_backend, loaded.tokenizer, self.vocab_size),
             threads=config.grammar_compile_threads,
             timeout_s=config.grammar_compile_timeout_s,
+            cache_entries=config.grammar_cache_entries,
             vocab_size=self.vocab_size,
             max_rows=config.max_num_seqs,
         )

@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 
 BITMASK_BITS = 32
 """Tokens per int32 word of a token bitmask (the layout xgrammar and llguidance share)."""
-COMPILE_CACHE_ENTRIES = 256
-"""Compiled grammars kept per engine; the least recently used beyond this are dropped."""
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 """What `json_object` compiles as: any JSON object (not any JSON value)."""
 REGEX_SPECIALS = frozenset("\\.^$|?*+()[]{}")
@@ -93,6 +91,7 @@ class GrammarCompiler:
         *,
         threads: int,
         timeout_s: float,
+        cache_entries: int,
         vocab_size: int,
         max_rows: int,
     ) -> None:
@@ -103,6 +102,7 @@ class GrammarCompiler:
         self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvmesh-grammar")
         self.timeout_s = timeout_s
+        self._cache_entries = cache_entries
         self._vocab_size = vocab_size
         self._lock = threading.Lock()
         self._compiled: OrderedDict[Constraint, Future[object]] = OrderedDict()
@@ -123,7 +123,7 @@ class GrammarCompiler:
             future = self._pool.submit(self._compile, constraint)
             self._compiled[constraint] = future
             self.num_compiles += 1
-            while len(self._compiled) > COMPILE_CACHE_ENTRIES:
+            while len(self._compiled) > self._cache_entries:
                 oldest = next(iter(self._compiled))
                 if not self._compiled[oldest].done():
                     break  # everything older is still compiling: keep them

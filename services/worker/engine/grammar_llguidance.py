@@ -64,7 +64,7 @@ class LlguidanceBackend:
         if kind is ConstraintKind.EBNF:
             return matcher.grammar_from_lark(gbnf_to_lark(constraint.text))
         if kind is ConstraintKind.STRUCTURAL_TAG:
-            return matcher.grammar_from_lark(triggered_lark(constraint.text))
+            return matcher.grammar_from_lark(triggered_lark(constraint.text, self._tokenizer))
         return matcher.grammar_from_lark(constraint.text)
 
     def matcher(self, compiled: object) -> GrammarMatcher:
@@ -75,22 +75,49 @@ class LlguidanceBackend:
         llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
 
 
-def triggered_lark(text: str) -> str:
-    """A kvmesh structural tag as a lazy Lark grammar: free TEXT, and for each structure a
-    lazy lexeme (TEXT up to the first occurrence of its trigger, so free text ends exactly
-    there) followed by the rest of its begin, its JSON value and its end."""
+def triggered_lark(text: str, tokenizer: llguidance.LLTokenizer) -> str:
+    """A kvmesh structural tag as a lazy Lark grammar: free TEXT, and for each structure the
+    TEXT up to its trigger (a lazy lexeme, so free text ends at the trigger's first
+    occurrence; or, where the trigger is one of the tokenizer's added tokens, which llguidance
+    keeps out of text, TEXT followed by that token), then the rest of its begin, its JSON
+    value and its end."""
     tag = structural_tag(text)
     rules = ["%llguidance {}", "TEXT: /(.|\\n)*/"]
     for index, structure in enumerate(tag.structures):
         trigger = next(t for t in tag.triggers if structure.begin.startswith(t))
         schema = {**structure.schema, "x-guidance": JSON_OPTIONS}
-        rest = [json.dumps(structure.begin[len(trigger) :]), "%json " + json.dumps(schema)]
-        rest += [json.dumps(structure.end)] if structure.end else []
-        rules.append(f"opens_{index}[lazy]: TEXT {json.dumps(trigger)}")
-        rules.append(f"segment_{index}: opens_{index} " + " ".join(r for r in rest if r != '""'))
+        body = [
+            _lark_text(structure.begin[len(trigger) :], tokenizer),
+            "%json " + json.dumps(schema),
+            _lark_text(structure.end, tokenizer),
+        ]
+        opening = _lark_text(trigger, tokenizer)
+        if opening.startswith("<"):
+            rules.append(f"opens_{index}: TEXT {opening}")
+        else:
+            rules.append(f"opens_{index}[lazy]: TEXT {opening}")
+        rules.append(f"segment_{index}: opens_{index} " + " ".join(b for b in body if b))
     segments = " | ".join(f"segment_{i}" for i in range(len(tag.structures)))
     start = f"TEXT | {segments}" if tag.stop_after_first else f"({segments})* TEXT"
     return "\n".join([*rules, f"start: {start}"])
+
+
+def _lark_text(text: str, tokenizer: llguidance.LLTokenizer) -> str:
+    """Lark for exactly this text: string literals, and the tokenizer's added (special)
+    tokens it contains by name (llguidance matches those only as themselves)."""
+    parts: list[str] = []
+    plain: list[int] = []
+    for token in tokenizer.tokenize_str(text):
+        if tokenizer.is_special_token(token):
+            if plain:
+                parts.append(json.dumps(tokenizer.decode_str(plain)))
+                plain = []
+            parts.append(tokenizer.decode_str([token]))
+        else:
+            plain.append(token)
+    if plain:
+        parts.append(json.dumps(tokenizer.decode_str(plain)))
+    return " ".join(parts)
 
 
 class _Matcher:

@@ -7,13 +7,21 @@ import json
 import jsonschema
 import pytest
 
+from kvmesh.contracts.constraints import structural_tag
 from kvmesh.errors import InvalidArgument
 from kvmesh.v1 import common_pb2
 from services.admission.tool_calls import (
+    CALL_BEGIN,
+    CALL_END,
+    KVMESH_TAGGED_TOOLS_HEADER,
     KVMESH_TOOLS_HEADER,
+    answer_calls,
     chat_turns,
+    constrain_answer,
     parse_call,
     plan_tools,
+    renders_natively,
+    split_answer,
     template_takes_tools,
 )
 
@@ -56,8 +64,6 @@ def test_required_admits_a_call_of_any_tool_and_named_only_that_tool() -> None:
 @pytest.mark.parametrize(
     ("request_chat", "field"),
     [
-        (chat(common_pb2.TOOL_CHOICE_MODE_AUTO), "prompt.chat.tool_choice"),
-        (chat(common_pb2.TOOL_CHOICE_MODE_UNSPECIFIED), "prompt.chat.tool_choice"),
         (chat(common_pb2.TOOL_CHOICE_MODE_NAMED, "nope"), "prompt.chat.tool_choice.name"),
         (chat(common_pb2.TOOL_CHOICE_MODE_REQUIRED, tools=()), "prompt.chat.tool_choice"),
         (
@@ -111,3 +117,56 @@ def test_template_detection_and_parsing() -> None:
     assert json.loads(call.arguments_json) == {"a": 5}
     with pytest.raises(ValueError):
         parse_call('{"name": "add", "argu')
+
+
+@pytest.mark.parametrize(
+    "mode", [common_pb2.TOOL_CHOICE_MODE_AUTO, common_pb2.TOOL_CHOICE_MODE_UNSPECIFIED]
+)
+def test_auto_constrains_only_a_tagged_call_and_ends_after_it(mode: int) -> None:
+    plan = plan_tools(chat(mode))
+    assert plan is not None and plan.answer_schema is None and plan.call_tag is not None
+    tag = structural_tag(plan.call_tag)
+    assert tag.triggers == ("<tool_call>",) and tag.stop_after_first
+    (structure,) = tag.structures
+    assert (structure.begin, structure.end) == (CALL_BEGIN, CALL_END)
+    jsonschema.validate({"name": "add", "arguments": {"a": 1}}, structure.schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "add", "arguments": {"a": "1"}}, structure.schema)
+    sampling = common_pb2.SamplingParams()
+    assert constrain_answer(plan, sampling) and sampling.structural_tag == plan.call_tag
+    with pytest.raises(InvalidArgument) as refused:
+        constrain_answer(plan, common_pb2.SamplingParams(regex="a"))
+    assert refused.value.field == "sampling"
+    none = plan_tools(chat(common_pb2.TOOL_CHOICE_MODE_NONE))
+    assert none is not None and not constrain_answer(none, common_pb2.SamplingParams())
+
+
+def test_an_auto_answer_is_text_or_text_then_one_call() -> None:
+    plan = plan_tools(chat(common_pb2.TOOL_CHOICE_MODE_AUTO))
+    assert plan is not None
+    call_json = '{"name": "add", "arguments": {"a": 2}}'
+    answer = "Let me add.<tool_call>\n" + call_json + "\n</tool_call>"
+    assert split_answer(answer) == ("Let me add.", call_json)
+    (call,) = answer_calls(plan, answer)
+    assert call.name == "add" and json.loads(call.arguments_json) == {"a": 2}
+    assert answer_calls(plan, "just text") == []
+    assert split_answer("cut <tool_call>\n{") == ("cut <tool_call>\n{", None)
+
+
+def test_auto_renders_calls_in_their_tag_and_natively_only_with_a_tagging_template() -> None:
+    plan = plan_tools(chat(common_pb2.TOOL_CHOICE_MODE_AUTO))
+    conversation = chat(common_pb2.TOOL_CHOICE_MODE_AUTO)
+    conversation.messages.append(
+        common_pb2.ChatMessage(
+            role="assistant",
+            tool_calls=[common_pb2.ToolCall(id="c1", name="add", arguments_json='{"a": 2}')],
+        )
+    )
+    turns = chat_turns(conversation, plan, native=False)
+    assert turns[0]["content"].startswith(KVMESH_TAGGED_TOOLS_HEADER)
+    assert turns[2]["content"] == CALL_BEGIN + '{"name": "add", "arguments": {"a": 2}}' + CALL_END
+    hermes = "{% if tools %}{{ tools | tojson }} <tool_call>{% endif %}"
+    llama = "{% if tools %}{{ tools | tojson }}{% endif %}"
+    required = plan_tools(chat(common_pb2.TOOL_CHOICE_MODE_REQUIRED))
+    assert renders_natively(plan, hermes) and not renders_natively(plan, llama)
+    assert renders_natively(required, llama) and not renders_natively(None, hermes)

@@ -267,7 +267,12 @@ class GatedBackend:
 def gated(engine: Engine, timeout_s: float) -> GatedBackend:
     backend = GatedBackend(engine)
     engine.grammars = GrammarCompiler(
-        lambda: backend, threads=2, timeout_s=timeout_s, vocab_size=engine.vocab_size, max_rows=8
+        lambda: backend,
+        threads=2,
+        timeout_s=timeout_s,
+        cache_entries=256,
+        vocab_size=engine.vocab_size,
+        max_rows=8,
     )
     return backend
 
@@ -522,3 +527,27 @@ def test_json_strings_never_hold_a_raw_control_character(
     grammars.mask_logits(logits, [matcher])
     assert torch.isinf(logits[0, controls]).all()
     assert not torch.isinf(logits[0]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_trigger_that_is_an_added_token_opens_the_structure(
+    tiny_tool_caller_dir: Path, backend: str
+) -> None:
+    """The tiny model that always writes its added token <tool_call> (tests/conftest.py): under
+    the structural tag it goes on with a call that validates and stops, greedy and sampled;
+    unconstrained it writes <tool_call> again and again."""
+    loaded = load_model(str(tiny_tool_caller_dir))
+    requests = [
+        EngineRequest(f"call-{seed}", prompt(30 + i), sampling(seed, call_tag()))
+        for i, seed in enumerate(SEEDS)
+    ]
+    free = EngineRequest("free", prompt(30), SamplingParams(max_tokens=4))
+    engine = make_engine(loaded, backend)
+    results = drive(engine, {0: [*requests, free]})
+    for request in requests:
+        result = finished(results, request.request_id)
+        assert result.finish_reason is FinishReason.STOP, (request.request_id, result.text)
+        assert result.text.startswith(CALL_BEGIN) and result.text.endswith(CALL_END)
+        jsonschema.validate(json.loads(result.text[len(CALL_BEGIN) : -len(CALL_END)]), CALL_SCHEMA)
+    assert results["free"].text == "<tool_call>" * 4
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
