@@ -11,7 +11,7 @@ own loader, fp32) and the same prompt token ids:
             vLLM's LLM.generate, transformers' generate() in static batches of 8
   serving   32 concurrent requests, 128-token prompts, 64 out: `kvmesh up --mode colocated`
             through the async SDK (one task per request) vs vLLM's OpenAI server (streaming
-            /v1/completions, ignore_eos); `kvmesh up`'s disaggregated default beside them, and
+            /v1/completions, ignore_eos); `kvmesh up --mode disaggregated` beside them, and
             `kvmesh up --mode colocated --engine vllm` (the mesh in front of vLLM's engine, with
             the batch limits vLLM's server takes by default: what the mesh costs)
   single    one request at a time, 128-token prompt, 128 out: tok/s and TTFT

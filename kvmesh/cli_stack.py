@@ -49,9 +49,14 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
     up.add_argument("--tier", default="", help="tier id clients ask for (default: from the model)")
     up.add_argument(
         "--mode",
-        choices=["disaggregated", "colocated"],
-        default="disaggregated",
-        help="separate prefill and decode workers, or workers that do both",
+        choices=["colocated", "disaggregated"],
+        default="colocated",
+        help="workers that do both prefill and decode (default: faster on one machine), or "
+        "separate prefill and decode workers",
+    )
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    up.add_argument(
+        "--decode", type=int, default=1, help="colocated workers (or decode workers, disaggregated)"
     )
     up.add_argument(
         "--engine",
@@ -59,8 +64,6 @@ def add_stack_commands(commands: argparse._SubParsersAction) -> None:  # type: i
         default="native",
         help="every worker's engine: kvmesh's own, or vLLM (needs the kvmesh[vllm] extra)",
     )
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    up.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
     up.add_argument(
         "--port", type=int, default=None, help=f"gateway port (default: {GATEWAY_PORT} + offset)"
     )

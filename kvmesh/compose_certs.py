@@ -34,7 +34,8 @@ def compose_certificates(folder: Path) -> list[str]:
             certificate_subject(replace(service, host=service.name)),
             [service.name, *LOCAL_HOSTS],
         )
-        for service in plan_stack(StackOptions(host="0.0.0.0"))
+        # compose runs split prefill and decode pools, not kvmesh up's colocated default
+        for service in plan_stack(StackOptions(mode="disaggregated", host="0.0.0.0"))
         if not service.http
     }
     operator = certificate_name(MeshRole.OPERATOR, OPERATOR_MEMBER_NAME)

@@ -42,8 +42,10 @@ class StackOptions:
     """Model spec every worker loads: a known name, a Hugging Face folder or a .gguf file."""
     tier: str = ""
     """Tier id clients ask for; empty derives it from the model spec."""
-    mode: Mode = "disaggregated"
-    """Split prefill and decode workers, or colocated workers that do both."""
+    mode: Mode = "colocated"
+    """Colocated workers that do both prefill and decode (the default: on one machine they
+    serve more tokens/s than a split pair, see BENCHMARKS.md "Peers"), or split prefill and
+    decode workers."""
     prefill: int = 1
     """Prefill workers (disaggregated mode)."""
     decode: int = 1

@@ -195,7 +195,17 @@ def kvmesh_up_tokens() -> list[list[int]]:
     """The same prompts through `kvmesh up` (same plan, the default model) on the host."""
     offset = 3000 + 97 * (os.getpid() % 50)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "up", "--port-offset", str(offset)],
+        # compose's split pools (kvmesh up alone defaults to colocated workers)
+        [
+            sys.executable,
+            "-m",
+            "kvmesh.cli",
+            "up",
+            "--mode",
+            "disaggregated",
+            "--port-offset",
+            str(offset),
+        ],
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"},
         stdout=subprocess.PIPE,

@@ -126,7 +126,10 @@ class RunningStack:
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningStack]:
-    running = start_kvmesh_up(tiny_llama_dir, tmp_path_factory.mktemp("stack"))
+    # Split workers: these tests follow a request over the prefill -> decode hand-off.
+    running = start_kvmesh_up(
+        tiny_llama_dir, tmp_path_factory.mktemp("stack"), "--mode", "disaggregated"
+    )
     yield running
     running.kill()
 

@@ -33,7 +33,10 @@ INTERNAL_PORTS = {
 def tls_stack(
     tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningStack]:
-    running = start_kvmesh_up(tiny_llama_dir, tmp_path_factory.mktemp("tls-stack"), "--tls")
+    # Split workers, so the KV pull between them goes over TLS too.
+    running = start_kvmesh_up(
+        tiny_llama_dir, tmp_path_factory.mktemp("tls-stack"), "--tls", "--mode", "disaggregated"
+    )
     yield running
     running.proc.send_signal(signal.SIGINT)
     running.proc.wait(timeout=90)

@@ -29,7 +29,7 @@ from kvmesh.client import (
     resolve_target,
 )
 from kvmesh.errors import InvalidArgument, ResourceExhausted
-from kvmesh.stack import StackOptions
+from kvmesh.stack import StackOptions, plan_workers
 from kvmesh.tenants import PriorityClass, TenantRegistry, load_tenants
 from kvmesh.up import try_command
 from kvmesh.v1 import common_pb2
@@ -129,8 +129,18 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_a_default_that_says_something_is_in_the_help() -> None:
     up_help = next(p for p in every_parser(build_parser()) if p.prog == "kvmesh up").format_help()
-    assert "(default: disaggregated)" in up_help and "(default: 0)" in up_help
+    assert "(default: colocated)" in up_help and "(default: 0)" in up_help
     assert "(default: None)" not in up_help
+
+
+def test_up_defaults_to_one_colocated_worker_and_splits_when_asked() -> None:
+    """On one machine colocated serves more tokens/s (BENCHMARKS.md "Peers"): the default of
+    the CLI and of StackOptions; --mode disaggregated gives a prefill and a decode worker."""
+    parse = build_parser().parse_args
+    assert parse(["up"]).mode == StackOptions().mode == "colocated"
+    assert [w.role for w in plan_workers(StackOptions())] == ["colocated"]
+    split = StackOptions(mode=parse(["up", "--mode", "disaggregated"]).mode)
+    assert [w.role for w in plan_workers(split)] == ["prefill", "decode"]
 
 
 def test_bench_takes_target_and_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,12 +41,14 @@ DEPLOY = REPO_ROOT / "deploy"
 
 CONFIG_DIR = Path("/etc/kvmesh")
 COMPOSE_OPTIONS = StackOptions(
+    mode="disaggregated",
     host="0.0.0.0",
     redis="redis://redis:6379/0",
     state_dir=CONFIG_DIR,
     tenants=CONFIG_DIR / "tenants.yaml",
 )
-"""The `kvmesh up` options compose corresponds to: bind every interface, Redis for the gateway
+"""The `kvmesh up` options compose corresponds to: split prefill and decode workers (compose's
+own default, unlike `kvmesh up`'s colocated one), bind every interface, Redis for the gateway
 and the cache, config files mounted under /etc/kvmesh (a gateway without a tenants file
 listens on 127.0.0.1 only, out of reach from other containers)."""
 
@@ -115,6 +117,8 @@ def test_every_dependency_runs_in_the_profile(compose: dict[str, Any], profile: 
 
 
 def test_compose_runs_the_services_of_kvmesh_up(compose: dict[str, Any]) -> None:
+    """Those of `kvmesh up --mode disaggregated`: compose keeps split prefill and decode pools
+    (its containers may run on several machines), where `kvmesh up` defaults to colocated."""
     kvmesh_services = {
         name
         for name, spec in compose.items()
@@ -122,7 +126,7 @@ def test_compose_runs_the_services_of_kvmesh_up(compose: dict[str, Any]) -> None
         and "gpu" not in spec.get("profiles", [])
         and not one_shot(spec)
     }
-    assert kvmesh_services == {service.name for service in plan_stack(StackOptions())}
+    assert kvmesh_services == {service.name for service in PLAN}
 
 
 @pytest.mark.parametrize("service", PLAN, ids=lambda s: s.name)
