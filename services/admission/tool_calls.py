@@ -26,6 +26,7 @@ from typing import Any
 
 from kvmesh.contracts.constraints import StructuralTag, Structure
 from kvmesh.errors import InvalidArgument
+from kvmesh.tool_format import CALL_BEGIN, CALL_END, CALL_TRIGGER, split_answer
 from kvmesh.v1 import common_pb2
 
 MAX_TOOLS = 64
@@ -34,9 +35,6 @@ KVMESH_TOOLS_HEADER = (
     "You can call these tools. To call one, answer with only a JSON object "
     '{"name": <tool name>, "arguments": <arguments object>}.\nTools:\n'
 )
-CALL_TRIGGER = "<tool_call>"
-CALL_BEGIN = CALL_TRIGGER + "\n"
-CALL_END = "\n</tool_call>"
 KVMESH_TAGGED_TOOLS_HEADER = (
     "You can call these tools. To call one, write\n<tool_call>\n"
     '{"name": <tool name>, "arguments": <arguments object>}\n</tool_call>\nTools:\n'
@@ -198,14 +196,6 @@ def _call_turn(call: common_pb2.ToolCall) -> dict[str, Any]:
         "function": {"name": call.name, "arguments": call.arguments_json},
         "arguments": arguments,
     }
-
-
-def split_answer(text: str) -> tuple[str, str | None]:
-    """An AUTO answer's free text and its tagged call's JSON (None: no complete call)."""
-    free, trigger, rest = text.partition(CALL_BEGIN)
-    if not trigger or not rest.endswith(CALL_END):
-        return text, None
-    return free, rest[: -len(CALL_END)]
 
 
 def answer_calls(plan: ToolPlan, text: str) -> list[common_pb2.ToolCall]:

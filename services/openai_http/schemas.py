@@ -29,11 +29,13 @@ class StreamOptions(_Request):
 
 
 class ChatMessageIn(_Request):
-    """One turn; content is a string or a list of {"type": "text", "text": ...} parts."""
+    """One turn; content is a string or a list of {"type": "text", "text": ...} parts; an
+    assistant turn may carry tool calls, a tool turn the id of the call it answers."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None
-    tool_calls: Any = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class GenerationFields(_Request):
@@ -140,9 +142,30 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+    """The arguments object as JSON text."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    """None when the answer is only a tool call."""
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        body: dict[str, Any] = handler(self)
+        if body.get("tool_calls") is None:
+            body.pop("tool_calls", None)
+        return body
 
 
 class ChatChoice(BaseModel):
@@ -183,11 +206,21 @@ class Completion(BaseModel):
     kvmesh: KvmeshInfo
 
 
+class ToolCallDelta(BaseModel):
+    """A tool call in a stream: the door sends each call whole, in one delta."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Delta(BaseModel):
     """What a chunk adds; OpenAI leaves out the keys a delta does not carry."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _without_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """Server-Sent Events exactly as OpenAI sends them.
 
-Chat: per choice a first chunk with the role, then content deltas, then a chunk with the
-finish reason; then, when `stream_options.include_usage` asked for it, one chunk with empty
-choices and the usage; `data: [DONE]` last. Completions: the same without the role chunk. An
-error after the stream began is one `data: {"error": ...}` event, then `data: [DONE]`.
+Chat: per choice a first chunk with the role, then content deltas (with tools: only the text
+that is surely no part of a call; a call is held back until it is complete and parsed, then
+sent whole as one `tool_calls` delta), then a chunk with the finish reason; then, when
+`stream_options.include_usage` asked for it, one chunk with empty choices and the usage;
+`data: [DONE]` last. Completions: the same without the role chunk. An error after the stream
+began is one `data: {"error": ...}` event, then `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvmesh.client import GenerationResult
+from kvmesh.tool_format import free_text_end, split_answer
 from services.openai_http import schemas, translation
 from services.openai_http.generation import Event, Generation
 from services.openai_http.translation import Plan
@@ -37,6 +40,10 @@ class StreamTranslator:
         self._id = ""
         self._models: dict[int, str] = {}
         self._results: dict[int, GenerationResult] = {}
+        self._texts: dict[int, str] = {}
+        """Each chat choice's text so far."""
+        self._sent: dict[int, int] = {}
+        """How much of it went out as content."""
         self._content_exclude: dict[str, Any] = dict(_NO_EXTRAS)
         self._final_exclude: dict[str, Any] = {}
         if not plan.include_usage:
@@ -58,14 +65,50 @@ class StreamTranslator:
             if not chunk.text and not chunk.logprobs:
                 return []
             if self._plan.kind == "chat":
+                content = self._content(event.choice, chunk.text)
+                if not content and not chunk.logprobs:
+                    return []
                 logprobs = (
                     translation.chat_logprobs(chunk.logprobs) if self._plan.logprobs else None
                 )
-                return [self._chat(event.choice, schemas.Delta(content=chunk.text), logprobs)]
+                return [self._chat(event.choice, schemas.Delta(content=content), logprobs)]
             return [self._completion_text(event)]
         assert event.result is not None
         self._results[event.choice] = event.result
+        if self._plan.kind == "chat":
+            return [
+                *self._held_back(event.choice, event.result),
+                self._finish(event.choice, event.result),
+            ]
         return [self._finish(event.choice, event.result)]
+
+    def _content(self, choice: int, text: str) -> str:
+        """The part of the choice's text that can go out as content now."""
+        so_far = self._texts.get(choice, "") + text
+        self._texts[choice] = so_far
+        answer = self._plan.tool_answer
+        end = len(so_far) if answer == "text" else free_text_end(so_far) if answer == "auto" else 0
+        sent = self._sent.get(choice, 0)
+        self._sent[choice] = max(sent, end)
+        return so_far[sent:end]
+
+    def _held_back(self, choice: int, result: GenerationResult) -> list[bytes]:
+        """At the end: the content still held back, and the parsed call (whole, one delta)."""
+        text = self._texts.get(choice, "")
+        content_end = len(split_answer(text)[0]) if result.tool_calls else len(text)
+        if self._plan.tool_answer == "call" and result.tool_calls:
+            content_end = 0
+        frames = []
+        rest = text[self._sent.get(choice, 0) : content_end]
+        if rest:
+            frames.append(self._chat(choice, schemas.Delta(content=rest)))
+        calls = [
+            schemas.ToolCallDelta(index=index, id=call.id, function=call.function)
+            for index, call in enumerate(translation.tool_calls(result))
+        ]
+        if calls:
+            frames.append(self._chat(choice, schemas.Delta(tool_calls=calls)))
+        return frames
 
     def usage_frame(self) -> bytes:
         """The last chunk before [DONE], when the request asked for usage."""

@@ -22,10 +22,14 @@ from kvmesh.client import (
     build_request,
 )
 from kvmesh.errors import InvalidArgument, KvmeshError
+from kvmesh.tool_format import split_answer
 from kvmesh.v1 import gateway_pb2
 from services.openai_http import schemas
 
 Kind = Literal["chat", "completion"]
+ToolAnswer = Literal["text", "auto", "call"]
+"""What an answer holds: text only (no tools, or tool_choice none), text that may end with a
+tagged call (auto), or only a call (required, a named function)."""
 
 MAX_N = 8
 """Most samples (`n`) per prompt."""
@@ -34,10 +38,22 @@ DEADLINE_HEADER = "x-kvmesh-timeout-s"
 IDEMPOTENCY_HEADER = "idempotency-key"
 DEFAULT_TEMPERATURE = 1.0
 """OpenAI's default when a request sets none (kvmesh's own gRPC default is greedy)."""
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 """OpenAI roles -> the chat template's roles ("developer" is OpenAI's newer name for system)."""
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "deadline": "length", "abort": "stop"}
+FINISH_REASONS = {
+    "stop": "stop",
+    "length": "length",
+    "deadline": "length",
+    "abort": "stop",
+    "tool_calls": "tool_calls",
+}
 """kvmesh finish reasons -> OpenAI's; a deadline ends the answer as "length" (partial output)."""
 
 
@@ -46,14 +62,11 @@ def _is_set(value: Any) -> bool:
 
 
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (
-        lambda v: _is_set(v) and v != {"type": "text"},
-        "structured output is not supported yet",
+    "functions": (_is_set, "the deprecated functions field is not supported; use tools"),
+    "function_call": (
+        lambda v: _is_set(v) and v != "none",
+        "the deprecated function_call field is not supported; use tool_choice",
     ),
-    "tools": (_is_set, "tool calling is not supported yet"),
-    "tool_choice": (lambda v: _is_set(v) and v != "none", "tool calling is not supported yet"),
-    "functions": (_is_set, "function calling is not supported yet"),
-    "function_call": (lambda v: _is_set(v) and v != "none", "function calling is not supported"),
     "logit_bias": (_is_set, "kvmesh does not support logit_bias"),
     "presence_penalty": (lambda v: _is_set(v) and v != 0, "kvmesh does not support penalties"),
     "frequency_penalty": (lambda v: _is_set(v) and v != 0, "kvmesh does not support penalties"),
@@ -112,6 +125,7 @@ class Plan:
     logprobs: bool
     max_tokens_param: str
     """Which field carried max_tokens, to name it in errors."""
+    tool_answer: ToolAnswer = "text"
     created: int = field(default_factory=lambda: int(time.time()))
 
     def first_of_prompt(self, choice: int) -> bool:
@@ -134,7 +148,7 @@ def _generation_options(
     if body.user:
         labels["user"] = body.user
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    return {
+    return _response_format(body.response_format) | {
         "model": body.model,
         "max_tokens": max_tokens,
         "temperature": DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -146,6 +160,72 @@ def _generation_options(
         "priority": body.priority,
         "cache_policy": body.cache_policy,
         "labels": labels,
+    }
+
+
+def _response_format(value: Any) -> dict[str, Any]:
+    """`response_format` as the SDK's constraint options: text (none), json_object, or
+    json_schema (its `schema`; kvmesh enforces it whether or not `strict` is set)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidArgument("response_format", "must be an object with a type")
+    kind = value.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise InvalidArgument(
+            "response_format.type", f"must be text, json_object or json_schema, got {kind!r}"
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise InvalidArgument("response_format.json_schema.schema", "must be a JSON Schema object")
+    if not isinstance(spec.get("strict", False), bool | None):
+        raise InvalidArgument("response_format.json_schema.strict", "must be true or false")
+    return {"json_schema": spec["schema"]}
+
+
+def _tool_options(body: schemas.ChatCompletionRequest) -> tuple[dict[str, Any], ToolAnswer]:
+    """`tools` and `tool_choice` as the SDK's options, and what the answer will hold."""
+    tools = [_tool(index, tool) for index, tool in enumerate(body.tools or [])]
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict):
+            raise InvalidArgument("tool_choice", "must name a function: {type, function: {name}}")
+        choice = str(function.get("name", ""))
+        answer: ToolAnswer = "call"
+    elif choice in ("auto", "none", "required"):
+        answer = {"auto": "auto", "none": "text", "required": "call"}[choice]  # type: ignore[assignment]
+    else:
+        raise InvalidArgument(
+            "tool_choice", "must be auto, none, required or {type: function, function: {name}}"
+        )
+    if not tools:
+        if choice != "none":
+            raise InvalidArgument("tool_choice", "a tool choice other than none needs tools")
+        return {}, "text"
+    return {"tools": tools, "tool_choice": choice}, answer
+
+
+def _tool(index: int, tool: Any) -> dict[str, Any]:
+    param = f"tools[{index}]"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise InvalidArgument(f"{param}.type", "only function tools are supported")
+    function = tool.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidArgument(f"{param}.function.name", "must be a string")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidArgument(f"{param}.function.parameters", "must be a JSON Schema object")
+    return {
+        "name": function["name"],
+        "description": str(function.get("description") or ""),
+        "parameters": parameters,
     }
 
 
@@ -188,7 +268,8 @@ def chat_plan(body: schemas.ChatCompletionRequest, headers: DoorHeaders) -> Plan
     if body.top_logprobs is not None and not body.logprobs:
         raise InvalidArgument("top_logprobs", "needs logprobs: true")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    options = _generation_options(body, max_tokens, logprobs)
+    tool_options, tool_answer = _tool_options(body)
+    options = _generation_options(body, max_tokens, logprobs) | tool_options
     requests, prompt_of = _samples("chat", [messages], body, options, headers, max_tokens_param)
     return Plan(
         "chat",
@@ -200,18 +281,18 @@ def chat_plan(body: schemas.ChatCompletionRequest, headers: DoorHeaders) -> Plan
         _include_usage(body),
         body.logprobs,
         max_tokens_param,
+        tool_answer,
     )
 
 
-def _chat_message(index: int, message: schemas.ChatMessageIn) -> dict[str, str]:
+def _chat_message(index: int, message: schemas.ChatMessageIn) -> dict[str, Any]:
     role = CHAT_ROLES.get(message.role)
     if role is None:
         raise InvalidArgument(
             f"messages[{index}].role",
-            f"role {message.role!r} is not supported (use system, developer, user or assistant)",
+            f"role {message.role!r} is not supported (use system, developer, user, assistant "
+            "or tool)",
         )
-    if _is_set(message.tool_calls):
-        raise InvalidArgument(f"messages[{index}].tool_calls", "tool calling is not supported yet")
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -223,13 +304,35 @@ def _chat_message(index: int, message: schemas.ChatMessageIn) -> dict[str, str]:
                 )
             texts.append(part["text"])
         content = "".join(texts)
-    return {"role": role, "content": content or ""}
+    turn: dict[str, Any] = {"role": role, "content": content or ""}
+    if message.tool_calls:
+        turn["tool_calls"] = [
+            _call_in(f"messages[{index}].tool_calls[{i}]", call)
+            for i, call in enumerate(message.tool_calls)
+        ]
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
+def _call_in(param: str, call: dict[str, Any]) -> dict[str, str]:
+    """An assistant turn's call, OpenAI's shape -> the SDK's (id, name, arguments_json)."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidArgument(f"{param}.function.name", "must be a string")
+    arguments = function.get("arguments", "{}")
+    if not isinstance(arguments, str):
+        raise InvalidArgument(f"{param}.function.arguments", "must be JSON text (a string)")
+    return {"id": str(call.get("id", "")), "name": function["name"], "arguments_json": arguments}
 
 
 def completion_plan(
     body: schemas.CompletionRequest, headers: DoorHeaders, max_prompts: int
 ) -> Plan:
     refuse_unsupported(body)
+    for name in ("tools", "tool_choice"):
+        if _is_set(getattr(body, name)) and getattr(body, name) != "none":
+            raise InvalidArgument(name, "tool calling needs chat: use /v1/chat/completions")
     if body.echo:
         raise InvalidArgument("echo", "kvmesh does not return the prompt; echo must be false")
     prompts = _prompts(body.prompt)
@@ -285,6 +388,10 @@ _LABEL_FIELD = re.compile(r"^labels\[(?P<key>.*)\]$")
 
 def openai_param(kind: Kind, max_tokens_param: str, gateway_field: str) -> str:
     """The request's own name for a field the gateway named (e.g. sampling.top_p -> top_p)."""
+    if gateway_field.startswith("prompt.chat.tool"):
+        return _tool_param(gateway_field.removeprefix("prompt.chat."))
+    if gateway_field in ("sampling.json_schema", "sampling.json_object"):
+        return "response_format"
     if gateway_field.startswith("prompt"):
         if kind == "completion":
             rest = gateway_field.removeprefix("prompt").removeprefix(".text")
@@ -304,6 +411,17 @@ def openai_param(kind: Kind, max_tokens_param: str, gateway_field: str) -> str:
     if gateway_field == "labels" or label:
         return "user" if label and label["key"] == "user" else "metadata"
     return gateway_field
+
+
+def _tool_param(field: str) -> str:
+    """tools[1].name -> tools[1].function.name; tool_choice.name -> tool_choice."""
+    if field.startswith("tool_choice"):
+        return "tool_choice"
+    head, dot, rest = field.partition("].")
+    if not dot:
+        return field
+    leaf = "parameters" if rest == "parameters_json_schema" else rest
+    return f"{head}].function.{leaf}"
 
 
 @dataclass(slots=True, frozen=True)
@@ -424,6 +542,30 @@ def response_id(plan: Plan, request_id: str) -> str:
     return f"{'chatcmpl' if plan.kind == 'chat' else 'cmpl'}-{request_id}"
 
 
+def answer_content(plan: Plan, result: GenerationResult) -> str | None:
+    """The text of an answer that is content: all of it, the free text before an auto call,
+    or none for a call (an answer cut short before its call parsed keeps its text)."""
+    if not result.tool_calls:
+        return result.text
+    if plan.tool_answer == "auto":
+        return split_answer(result.text)[0] or None
+    return None
+
+
+def tool_calls(result: GenerationResult) -> list[schemas.ToolCall]:
+    return [
+        schemas.ToolCall(
+            id=call.id, function=schemas.FunctionCall(name=call.name, arguments=call.arguments_json)
+        )
+        for call in result.tool_calls
+    ]
+
+
+def chat_message(plan: Plan, result: GenerationResult) -> schemas.ChatMessageOut:
+    calls = tool_calls(result)
+    return schemas.ChatMessageOut(content=answer_content(plan, result), tool_calls=calls or None)
+
+
 def whole_response(
     plan: Plan, results: Sequence[GenerationResult], offsets: Sequence[Sequence[int]]
 ) -> schemas.ChatCompletion | schemas.Completion:
@@ -444,7 +586,7 @@ def whole_response(
             choices=[
                 schemas.ChatChoice(
                     index=index,
-                    message=schemas.ChatMessageOut(content=result.text),
+                    message=chat_message(plan, result),
                     logprobs=chat_logprobs(result.logprobs) if plan.logprobs else None,
                     finish_reason=reasons[index][0],
                     kvmesh_finish_reason=reasons[index][1],

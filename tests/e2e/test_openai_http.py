@@ -345,9 +345,18 @@ def test_errors_raise_the_sdks_exceptions(mesh: Mesh) -> None:
     assert too_long.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError) as tools:
         client.chat.completions.create(
-            **chat, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]
+            **chat, tools=[{"type": "function", "function": {"name": "f f", "parameters": {}}}]
         )
-    assert tools.value.param == "tools" and "not supported yet" in tools.value.message
+    assert tools.value.param == "tools[0].function.name"
+    with pytest.raises(openai.BadRequestError) as schema:
+        client.chat.completions.create(
+            **chat,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "strnig"}},
+            },
+        )
+    assert schema.value.param == "response_format"
     with pytest.raises(openai.BadRequestError) as echo:
         client.completions.create(model=TIER, prompt="hi", max_tokens=2, echo=True)
     assert echo.value.param == "echo"
@@ -596,7 +605,7 @@ def test_malformed_bodies_get_clear_400s_and_the_door_stays_healthy(mesh: Mesh) 
 # --- tool calls (issue 16.8) -------------------------------------------------------------------
 
 # Small: the tiny model's context is 512 tokens, and its tokenizer spends about one a character.
-WEATHER_TOOL = {
+WEATHER_TOOL: dict[str, Any] = {
     "name": "weather",
     "parameters": {
         "type": "object",
@@ -605,7 +614,7 @@ WEATHER_TOOL = {
         "additionalProperties": False,
     },
 }
-CLOCK_TOOL = {
+CLOCK_TOOL: dict[str, Any] = {
     "name": "clock",
     "parameters": {
         "type": "object",
@@ -613,7 +622,9 @@ CLOCK_TOOL = {
         "required": ["h"],
     },
 }
-TOOL_SCHEMAS = {t["name"]: t["parameters"] for t in (WEATHER_TOOL, CLOCK_TOOL)}
+TOOL_SCHEMAS: dict[str, dict[str, Any]] = {
+    t["name"]: t["parameters"] for t in (WEATHER_TOOL, CLOCK_TOOL)
+}
 
 
 def test_auto_tool_choice_through_the_sdk(mesh: Mesh) -> None:
@@ -655,3 +666,93 @@ def test_auto_tool_choice_through_the_sdk(mesh: Mesh) -> None:
     assert free.finish_reason in ("length", "stop") and not free.tool_calls
     assert "<tool_call>" not in free.text and free.usage.completion_tokens > 0
     assert after.tool_calls[0].name == "clock"
+
+
+def openai_tools(*tools: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": tool} for tool in tools]
+
+
+def test_tools_and_tool_choice_through_the_openai_sdk(mesh: Mesh) -> None:
+    """auto on the caller model: message.tool_calls holds the parsed call (content None),
+    finish_reason tool_calls; streamed, no content delta shows the call's text and one
+    tool_calls delta carries it whole, equal to the unstreamed call. required and a named
+    function on the random tiny model: a call that validates. none: text, no call. The call
+    and its result go back as an assistant turn with tool_calls and a tool turn."""
+    client = mesh.openai()
+    messages: list[dict[str, Any]] = [{"role": "user", "content": f"Hi {uuid.uuid4().hex[:6]}"}]
+    tools = openai_tools(WEATHER_TOOL, CLOCK_TOOL)
+    chat = {"messages": messages, "tools": tools, "max_tokens": 60, **GREEDY}
+    auto = client.chat.completions.create(model=CALLER, **chat)
+    stream = client.chat.completions.create(model=CALLER, stream=True, **chat)
+    chunks = list(stream)
+    required = client.chat.completions.create(model=TIER, tool_choice="required", **chat)
+    named = client.chat.completions.create(
+        model=TIER, tool_choice={"type": "function", "function": {"name": "clock"}}, **chat
+    )
+    none = client.chat.completions.create(
+        model=CALLER, tool_choice="none", **{**chat, "max_tokens": 8}
+    )
+    for answer in (auto, required, named):
+        (choice,) = answer.choices
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        (call,) = choice.message.tool_calls or []
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), TOOL_SCHEMAS[call.function.name])
+    assert (named.choices[0].message.tool_calls or [])[0].function.name == "clock"
+    contents = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    assert not any("tool_call" in text for text in contents), contents
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    (streamed,) = deltas
+    (whole,) = auto.choices[0].message.tool_calls or []
+    assert streamed.index == 0 and streamed.id and streamed.type == "function"
+    assert streamed.function is not None
+    assert (streamed.function.name, streamed.function.arguments) == (
+        whole.function.name,
+        whole.function.arguments,
+    )
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert none.choices[0].message.content == "<tool_call>" * 8
+    assert none.choices[0].finish_reason == "length" and not none.choices[0].message.tool_calls
+    conversation: list[Any] = [
+        *messages,
+        {"role": "assistant", "content": None, "tool_calls": [whole.model_dump()]},
+        {"role": "tool", "tool_call_id": whole.id, "content": "sunny"},
+    ]
+    again: dict[str, Any] = {
+        "messages": conversation,
+        "tools": openai_tools(CLOCK_TOOL),
+        "tool_choice": "none",
+        "max_tokens": 4,
+        **GREEDY,
+    }
+    after = client.chat.completions.create(model=TIER, **again)
+    assert after.usage.completion_tokens > 0
+    assert after.choices[0].finish_reason in ("length", "stop")
+
+
+def test_response_format_through_the_openai_sdk(mesh: Mesh) -> None:
+    """json_schema (strict) and json_object on the random tiny model: the content is strict
+    JSON that validates, streamed and not, and the two agree."""
+    client = mesh.openai()
+    schema = TOOL_SCHEMAS["clock"] | {"additionalProperties": False}
+    strict: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "t", "schema": schema, "strict": True},
+    }
+    chat: dict[str, Any] = {
+        "model": TIER,
+        "messages": [{"role": "user", "content": "What time?"}],
+        "max_tokens": 40,
+        **GREEDY,
+    }
+    whole = client.chat.completions.create(response_format=strict, **chat)
+    streamed = client.chat.completions.create(response_format=strict, stream=True, **chat)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    anything = client.chat.completions.create(response_format={"type": "json_object"}, **chat)
+    content = whole.choices[0].message.content or ""
+    assert whole.choices[0].finish_reason == "stop" and text == content
+    jsonschema.validate(json.loads(content), schema)
+    assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)

@@ -9,10 +9,9 @@ import pytest
 
 from kvmesh.contracts.constraints import structural_tag
 from kvmesh.errors import InvalidArgument
+from kvmesh.tool_format import CALL_BEGIN, CALL_END, free_text_end, split_answer
 from kvmesh.v1 import common_pb2
 from services.admission.tool_calls import (
-    CALL_BEGIN,
-    CALL_END,
     KVMESH_TAGGED_TOOLS_HEADER,
     KVMESH_TOOLS_HEADER,
     answer_calls,
@@ -21,7 +20,6 @@ from services.admission.tool_calls import (
     parse_call,
     plan_tools,
     renders_natively,
-    split_answer,
     template_takes_tools,
 )
 
@@ -151,6 +149,10 @@ def test_an_auto_answer_is_text_or_text_then_one_call() -> None:
     assert call.name == "add" and json.loads(call.arguments_json) == {"a": 2}
     assert answer_calls(plan, "just text") == []
     assert split_answer("cut <tool_call>\n{") == ("cut <tool_call>\n{", None)
+    # What a stream may release as content: nothing from the trigger (or a start of it) on.
+    assert free_text_end("Let me <tool") == len("Let me ")
+    assert free_text_end("Let me <tool_call>\n{") == len("Let me ")
+    assert free_text_end("a < b") == len("a < b") and free_text_end("") == 0
 
 
 def test_auto_renders_calls_in_their_tag_and_natively_only_with_a_tagging_template() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvmesh.client import Chunk, GenerationResult, TokenLogprob, UsageInfo
+from kvmesh.client import Chunk, GenerationResult, TokenLogprob, ToolCallInfo, UsageInfo
 from kvmesh.errors import ResourceExhausted
 from kvmesh.v1 import common_pb2
 from services.openai_http import schemas, translation
@@ -98,3 +98,41 @@ def test_whole_responses_count_each_prompt_once() -> None:
     assert body.usage.prompt_tokens == 5 and body.usage.completion_tokens == 4
     assert body.usage.cost_usd == 1.0
     assert body.choices[1].logprobs is not None and body.choices[1].logprobs.text_offset == [0, 0]
+
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "pieces", "calls", "expected"),
+    [
+        # auto: the free text goes out, held back where it may be the trigger's start.
+        ("auto", ["Hi <to", "ol_call>\n{}", "\n</tool_call>"], 1, ["Hi ", "TOOL"]),
+        ("auto", ["a <", "b"], 0, ["a ", "<b"]),
+        # required: nothing of the call is content; a cut-short call ends as its text.
+        ("required", ['{"name"', ': "f"}'], 1, ["TOOL"]),
+        ("required", ['{"na'], 0, ['{"na']),
+    ],
+)
+def test_a_tool_call_streams_as_one_tool_calls_delta_and_never_as_content(
+    tool_choice: str, pieces: list[str], calls: int, expected: list[str]
+) -> None:
+    translator = StreamTranslator(plan("chat", stream=True, tools=TOOLS, tool_choice=tool_choice))
+    translator.frames(Event(0, started=common_pb2.Started(request_id="r0", model="s")))
+    frames = [f for piece in pieces for f in translator.frames(Event(0, chunk=Chunk(piece, (1,))))]
+    done = result(0, reason="tool_calls" if calls else "length")
+    done.text = "".join(pieces)
+    if calls:
+        done.tool_calls = [ToolCallInfo("call_1", "f", "{}")]
+    *frames_at_end, finish = translator.frames(Event(0, result=done))
+    deltas = [decode(f)["choices"][0]["delta"] for f in [*frames, *frames_at_end]]
+    seen = ["TOOL" if "tool_calls" in d else d["content"] for d in deltas]
+    assert seen == expected
+    if calls:
+        (call,) = next(d["tool_calls"] for d in deltas if "tool_calls" in d)
+        assert call == {
+            "index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"},
+        }  # fmt: skip
+    reason = decode(finish)["choices"][0]["finish_reason"]
+    assert reason == ("tool_calls" if calls else "length")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -65,16 +66,35 @@ def test_chat_fields_become_the_gateway_request() -> None:
     assert not chat().requests[0].sampling.HasField("logprobs")
 
 
+WEATHER: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "description": "the weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function"}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": 1}}]}]},
+            "messages[0].tool_calls[0].function.name",
+        ),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"n": 9}, "n"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "x"}]}]}, "messages[0].content[0]"),
         ({"seed": -1}, "seed"),
         ({"max_tokens": 2**40}, "max_tokens"),
@@ -86,6 +106,65 @@ def test_fields_kvmesh_cannot_honour_are_refused_by_name(
     with pytest.raises(InvalidArgument) as refused:
         chat(**fields)
     assert refused.value.field == param
+
+
+def test_response_format_becomes_the_constraint() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    strict = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    assert json.loads(chat(response_format=strict).requests[0].sampling.json_schema) == schema
+    assert chat(response_format={"type": "json_object"}).requests[0].sampling.json_object
+    plain = chat(response_format={"type": "text"}).requests[0].sampling
+    assert plain.WhichOneof("constraint") is None
+    assert completion(response_format={"type": "json_object"}).requests[0].sampling.json_object
+    assert translation.openai_param("chat", "max_tokens", "sampling.json_schema") == (
+        "response_format"
+    )
+
+
+def test_tools_tool_choice_and_tool_turns_become_the_chat_request() -> None:
+    messages = [
+        {"role": "user", "content": "Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    plan = chat(messages=messages, tools=[WEATHER])
+    request = plan.requests[0]
+    assert plan.tool_answer == "auto"
+    assert request.prompt.chat.tool_choice.mode == common_pb2.TOOL_CHOICE_MODE_AUTO
+    (tool,) = request.prompt.chat.tools
+    assert (tool.name, tool.description) == ("weather", "the weather")
+    assert json.loads(tool.parameters_json_schema) == WEATHER["function"]["parameters"]
+    call_turn, tool_turn = request.prompt.chat.messages[1:]
+    assert call_turn.tool_calls[0].name == "weather" and call_turn.tool_calls[0].id == "call_1"
+    assert (tool_turn.role, tool_turn.tool_call_id, tool_turn.content) == (
+        "tool",
+        "call_1",
+        "sunny",
+    )
+    named = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "weather"}})
+    assert named.tool_answer == "call"
+    assert named.requests[0].prompt.chat.tool_choice.name == "weather"
+    assert chat(tools=[WEATHER], tool_choice="required").tool_answer == "call"
+    assert chat(tools=[WEATHER], tool_choice="none").tool_answer == "text"
+    assert translation.openai_param("chat", "max_tokens", "prompt.chat.tools[0].name") == (
+        "tools[0].function.name"
+    )
+    assert translation.openai_param("chat", "max_tokens", "prompt.chat.tool_choice.name") == (
+        "tool_choice"
+    )
+    with pytest.raises(InvalidArgument) as refused:
+        completion(tools=[WEATHER])
+    assert refused.value.field == "tools"
 
 
 def test_neutral_values_of_refused_fields_pass() -> None:
