@@ -2,6 +2,7 @@
 
     make bench-peers                          # builds .venv-vllm, runs this under the CPU lock
     .venv-vllm/bin/python -m bench.peers [--quick] [--rows offline serving single prefix]
+        [--model smollm2-135m|qwen2-random]
 
 Not a test. One run of this script measures every system on the same machine, one system at a
 time, on the same weights (the default model written once as a Hugging Face folder by kvmesh's
@@ -26,6 +27,10 @@ be served from the prefix cache). Greedy outputs are compared token by token acr
 Every timed region records the load average and the CPU that other processes used meanwhile;
 a region disturbed by them is run again and both are kept. Writes the "Peers" section of
 BENCHMARKS.md and bench/results/peers.json + peers.png.
+
+--model qwen2-random runs the same rows on a second family: a Qwen2 checkpoint (Q/K/V bias) of
+SmolLM2-135M's shapes and tokenizer with random weights (seed 0), written once as a folder;
+its own section ("Peers ... (qwen2-random)") and peers-qwen2-random.json/.png.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ STACKS: dict[str, tuple[Mode, str]] = {
 # vLLM's OpenAI server's own batch limits on a CPU (vLLM 0.32's defaults there), given to the
 # vLLM-backed workers so that the two run the same scheduler settings.
 VLLM_SERVER_BATCH_ARGS = ("--max-num-batched-tokens=2048", "--max-num-seqs=128")
+# --model: the default model, or a Qwen2 checkpoint of its shapes with random weights.
+MODELS = (MODEL, "qwen2-random")
 # Far from `kvmesh up`'s default ports and from bench.mesh's offset.
 PORT_OFFSET = 1700
 VLLM_PORT = 18851
@@ -683,6 +690,7 @@ async def _server_row(
 
 @dataclass(slots=True)
 class Report:
+    model: str = MODEL  # a --model choice
     machine: dict[str, Any] = field(default_factory=dict)
     workload: dict[str, Any] = field(default_factory=dict)
     offline: dict[str, Any] = field(default_factory=dict)  # system -> runs
@@ -704,27 +712,71 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write_model(folder: Path) -> Any:
-    """The default model as a Hugging Face folder written by kvmesh's loader; its config."""
+def write_model(folder: Path, model: str) -> Any:
+    """The --model as a Hugging Face folder (the default one written by kvmesh's loader); its
+    config."""
     from services.worker.engine.loader import load_model, save_hf_folder
 
     loaded = load_model(MODEL)
     save_hf_folder(loaded, folder)
-    return loaded.config
+    if model == "qwen2-random":
+        write_random_qwen2(folder, loaded.config)
+    return config_of(folder)
+
+
+def write_random_qwen2(folder: Path, shapes: Any) -> None:
+    """Replaces the folder's weights and config by a Qwen2 model of the same shapes with random
+    weights (transformers' initialization, seed 0; the Q/K/V biases, which it zeroes, drawn
+    too, so they count); the tokenizer files stay."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = json.loads((folder / "config.json").read_text())
+    qwen2 = Qwen2Config(
+        vocab_size=shapes.vocab_size,
+        hidden_size=shapes.hidden_size,
+        intermediate_size=shapes.intermediate_size,
+        num_hidden_layers=shapes.num_layers,
+        num_attention_heads=shapes.num_heads,
+        num_key_value_heads=shapes.num_kv_heads,
+        max_position_embeddings=shapes.max_position_embeddings,
+        rms_norm_eps=shapes.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": shapes.rope_theta},
+        tie_word_embeddings=shapes.tie_word_embeddings,
+        bos_token_id=config["bos_token_id"],
+        eos_token_id=config["eos_token_id"],
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(qwen2)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0.0, 0.02)
+    (folder / "model.safetensors").unlink()
+    model.save_pretrained(folder)
 
 
 def config_of(model_dir: Path) -> Any:
-    from services.worker.engine.models.llama import ModelConfig
+    from services.worker.engine.models.registry import family_for_hf_config
 
-    return ModelConfig.from_hf_dict(json.loads((model_dir / "config.json").read_text()))
+    raw = json.loads((model_dir / "config.json").read_text())
+    return family_for_hf_config(raw).read_config(raw)
+
+
+def heading_of(model: str) -> str:
+    return HEADING if model == MODEL else f"{HEADING} ({model})"
+
+
+def results_name(model: str) -> str:
+    return "peers" if model == MODEL else f"peers-{model}"
 
 
 async def run(args: argparse.Namespace, console: Console) -> Report:
     work = Workload.quick() if args.quick else Workload()
-    report = Report(machine=machine(), workload=asdict(work))
+    report = Report(model=args.model, machine=machine(), workload=asdict(work))
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-peers-") as scratch:
         model_dir = Path(scratch) / "model"
-        config = write_model(model_dir)
+        config = write_model(model_dir, args.model)
         # Set 0 is the warm-up, sets 1..runs the timed runs, the rest their spares.
         prompt_sets = [
             prompts_for(work, config.vocab_size, seed) for seed in range(2 * work.runs + 1)
@@ -1042,10 +1094,16 @@ def markdown(report: Report, command: str) -> str:
     isa = "AVX2 (no AVX-512)"
     if m["avx512"]:
         isa = "AVX-512 + BF16" if m["avx512_bf16"] else "AVX-512"
+    model = (
+        MODEL
+        if report.model == MODEL
+        else f"{report.model} (a Qwen2 model of {MODEL}'s shapes, random weights)"
+    )
+    name = results_name(report.model)
     lines = [
-        HEADING,
+        heading_of(report.model),
         "",
-        f"`{command}` — {MODEL} in fp32 from one Hugging Face folder written by kvmesh's "
+        f"`{command}` — {model} in fp32 from one Hugging Face folder written by kvmesh's "
         f"loader, the same prompt token ids for every system, on {m['cpu']} ({m['cores']} "
         f"cores, {isa}); load average {m['load_average_start']:.1f} at the start, "
         f"{m['load_average_end']:.1f} at the end. vLLM {_vllm_version()} (compiled by "
@@ -1056,7 +1114,7 @@ def markdown(report: Report, command: str) -> str:
         "limits, --max-num-batched-tokens 2048 --max-num-seqs 128). One warm-up each, then "
         f"{report.workload['runs']} "
         "run(s) per row on fresh prompts; each figure is the better undisturbed run. Results: "
-        "`bench/results/peers.json`, `bench/results/peers.png`.",
+        f"`bench/results/{name}.json`, `bench/results/{name}.png`.",
         "",
         "| workload | kvmesh | vLLM CPU | kvmesh / vLLM |",
         "|---|---|---|---|",
@@ -1141,6 +1199,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=["kvmesh", "vllm", "transformers"],
         choices=["kvmesh", "vllm", "transformers"],
     )
+    parser.add_argument("--model", choices=MODELS, default=MODEL, help="the weights to run")
     parser.add_argument("--skip-disaggregated", action="store_true")
     parser.add_argument(
         "--skip-kvmesh-vllm",
@@ -1184,11 +1243,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     section = markdown(report, command_line(args))
     console.print(section)
     if not args.no_write:
-        write_results("peers", asdict(report))
-        plot(report, RESULTS / "peers.png")
+        name = results_name(args.model)
+        write_results(name, asdict(report))
+        plot(report, RESULTS / f"{name}.png")
         write_section(section, BENCHMARKS)
         console.print(
-            f"wrote {RESULTS}/peers.json, {RESULTS}/peers.png and {HEADING!r} in {BENCHMARKS}"
+            f"wrote {RESULTS}/{name}.json, {RESULTS}/{name}.png and "
+            f"{heading_of(args.model)!r} in {BENCHMARKS}"
         )
     return 0
 

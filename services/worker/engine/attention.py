@@ -44,8 +44,9 @@ class PrefillSpan:
     row_start: int
     row_end: int
     block_ids: torch.Tensor  # [blocks covering the chunk's whole context], long
-    # [chunk, context] additive (0 / -inf) causal mask; None when the chunk is the whole
-    # context so far (start_pos == 0): plain causal attention over the fresh K/V.
+    # [chunk, context] additive (0 / -inf) causal mask (sliding window included); None when
+    # the chunk is the whole context so far (start_pos == 0) and no window hides any of it:
+    # plain causal attention over the fresh K/V.
     mask: torch.Tensor | None
 
 
@@ -68,6 +69,7 @@ class KernelDecode:
     kernel: DecodeKernel
     block_tables: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
     context_lens: torch.Tensor  # [rows] int64: tokens each row attends to, its own included
+    window: int  # > 0: each row attends to its last `window` tokens only (sliding window)
 
     @property
     def rows(self) -> int:
@@ -108,6 +110,7 @@ def paged_attention(
                 cache.value_blocks,
                 decode.block_tables,
                 decode.context_lens,
+                decode.window,
             )
         )
     for group in batch.decode_groups:

@@ -26,7 +26,7 @@ class DecodeKernel:
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
         self._function = library.paged_decode_attention
         self._function.restype = ctypes.c_int
-        self._function.argtypes = [_POINTER] * 6 + [_INT] * 6 + [ctypes.c_float, ctypes.c_int]
+        self._function.argtypes = [_POINTER] * 6 + [_INT] * 7 + [ctypes.c_float, ctypes.c_int]
         self.num_threads = num_threads
 
     def __call__(
@@ -36,9 +36,11 @@ class DecodeKernel:
         value_blocks: torch.Tensor,
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
+        window: int = 0,
     ) -> torch.Tensor:
         """q [rows, heads, dim]; key/value_blocks [blocks, block_size, kv_heads, dim];
         block_tables [rows, max_blocks] int64; context_lens [rows] int64 -> [rows, heads, dim].
+        window > 0: each row attends to its last `window` tokens only (a sliding window).
 
         The caller guarantees the shapes (the runner builds them); ctypes cannot check."""
         q = q.contiguous()
@@ -59,6 +61,7 @@ class DecodeKernel:
                 head_dim,
                 key_blocks.shape[1],
                 block_tables.shape[1],
+                window,
                 head_dim**-0.5,
                 self.num_threads,
             )

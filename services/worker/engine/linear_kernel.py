@@ -39,9 +39,10 @@ _INT = ctypes.c_int64
 
 
 class SmallBatchLinear:
-    """The CPU's Project (models/llama.py): projections of at most max_rows rows (bias-free
-    nn.Linear in float32, or Int8Linear) run through the kernel, their norm, SwiGLU and
-    residual add fused in; float32 ones of up to TRANSPOSED_MAX_ROWS rows as torch's
+    """The CPU's Project (models/llama.py): projections of at most max_rows rows (nn.Linear in
+    float32, or Int8Linear) run through the kernel, their norm, SwiGLU and residual add fused
+    in (a bias, which only Qwen2's Q/K/V have, is added after it); bias-free float32 ones
+    of up to TRANSPOSED_MAX_ROWS rows as torch's
     transposed product (or PackedLinear when given); anything else (bigger batches, other
     modules) as torch's plain one."""
 
@@ -79,13 +80,13 @@ class SmallBatchLinear:
         if weights is None or x.dim() != 2:
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
         if x.shape[0] > self.max_rows or (residual is not None and not residual.is_contiguous()):
-            if weights[1] is None and x.shape[0] <= TRANSPOSED_MAX_ROWS:
+            if weights[1] is None and weights[2] is None and x.shape[0] <= TRANSPOSED_MAX_ROWS:
                 product = transposed_product if self._packed is None else self._packed
                 return product(weights[0], projection_input(x, norm, gated), residual)
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
         if norm is not None and gated:
             raise ValueError("a projection is normed or gated, not both")
-        weight, scales = weights
+        weight, scales, bias = weights
         outs, ins = weight.shape
         width = 2 * ins if gated else ins
         if x.shape[1] != width:
@@ -114,7 +115,7 @@ class SmallBatchLinear:
         )
         if status != 0:
             raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
-        return y
+        return y if bias is None else y.add_(bias)
 
 
 def transposed_product(
@@ -166,14 +167,17 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available())
 
 
-def kernel_weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bfloat16 scales for int8 weights) of a projection the kernel computes, or None.
-    The tensors are on the CPU: the engine only chooses the kernel for a CPU float32 model."""
+def kernel_weights(
+    module: nn.Module,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """(weight, bfloat16 scales for int8 weights, bias) of a projection the kernel computes, or
+    None. The tensors are on the CPU: the engine only chooses the kernel for a CPU float32
+    model."""
     if type(module) is nn.Linear:
-        if module.bias is None and module.weight.is_contiguous():
-            return module.weight, None
+        if module.weight.is_contiguous():
+            return module.weight, None, module.bias
     elif type(module) is Int8Linear:
-        return module.weight_int8, module.scales
+        return module.weight_int8, module.scales, module.bias
     return None
 
 

@@ -1,8 +1,10 @@
-"""Load a Llama-architecture model from a Hugging Face folder or a GGUF file.
+"""Load a model of a registered family (models/registry.py) from a Hugging Face folder or a
+GGUF file.
 
-Both paths produce the same thing: a ModelConfig plus weights under Hugging Face names (GGUF
-tensors dequantized with the `gguf` package, Q/K rows un-permuted back from llama.cpp's rope
-layout), which the model then fuses. The fingerprint is kvmesh.contracts.fingerprint's rule (the
+Both paths produce the same thing: the family, a ModelConfig and weights under Hugging Face
+names (GGUF tensors dequantized with the `gguf` package, Q/K rows un-permuted back from
+llama.cpp's rope layout where its converter permuted them), which the family's weight mapping
+turns into the model's parameters. The fingerprint is kvmesh.contracts.fingerprint's rule (the
 one the vLLM backend applies to the same files), computed once, here.
 """
 
@@ -31,14 +33,23 @@ from kvmesh.contracts.model_files import (
     resolve_model_path,
 )
 from kvmesh.contracts.tokenizer import Tokenizer
-from services.worker.engine.models.llama import LlamaModel, ModelConfig, split_rope_rows
+from services.worker.engine.models.family import ModelFamily
+from services.worker.engine.models.llama import (
+    LlamaModel,
+    ModelConfig,
+    split_rope_rows,
+    split_rope_vector,
+)
+from services.worker.engine.models.registry import (
+    UnsupportedArchitecture,
+    family_for_gguf,
+    family_for_hf_config,
+)
 from services.worker.engine.quant import quantize_model_int8
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model_path", "save_hf_folder"]
 
 QUANTIZATIONS = ("none", "int8")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
-GGUF_ARCHITECTURES = ("llama",)
 # torch dtypes of dequantized GGUF weights -> the safetensors codes the fingerprint names.
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -48,6 +59,11 @@ GGUF_LAYER_TENSORS = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -112,17 +128,17 @@ def load_model(
     path = resolve_model_path(spec)
     dtype_label = dtype_name(target_dtype)
     if path.is_dir():
-        config, weights = _read_hf_folder(path)
+        family, config, weights = _read_hf_folder(path)
         tokenizer = Tokenizer.from_hf_folder(path)
         model_fingerprint = folder_fingerprint(path, dtype_label, quantization)
     else:
-        config, weights, tokenizer = _read_gguf(path)
+        family, config, weights, tokenizer = _read_gguf(path)
         model_fingerprint = fingerprint(
             config.to_hf_dict(), _tensor_bytes(weights), dtype_label, quantization
         )
     try:
-        model = LlamaModel.from_hf_weights(
-            config, weights, dtype=target_dtype, device=target_device
+        model = family.model_class.from_parameters(
+            config, family.weight_mapping(config, weights), dtype=target_dtype, device=target_device
         )
     except KeyError as exc:
         raise ModelLoadError(f"{path}: weight {exc.args[0]} is missing") from exc
@@ -195,20 +211,14 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
 
 
-def _read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _read_hf_folder(folder: Path) -> tuple[ModelFamily, ModelConfig, dict[str, torch.Tensor]]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{folder} has no config.json")
     raw = read_json(config_path)
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{config_path}: model_type {model_type!r} is not supported ({SUPPORTED_MODEL_TYPES})"
-        )
-    if raw.get("sliding_window") is not None:
-        raise ModelLoadError(f"{config_path}: sliding-window attention is not supported")
     try:
-        config = ModelConfig.from_hf_dict(raw)
+        family = family_for_hf_config(raw)
+        config = family.read_config(raw)
     except KeyError as exc:
         raise ModelLoadError(f"{config_path} lacks the field {exc.args[0]!r}") from exc
     except ValueError as exc:
@@ -216,10 +226,12 @@ def _read_hf_folder(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]
     weights: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
         weights |= load_file(str(file))
-    return config, weights
+    return family, config, weights
 
 
-def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def _read_gguf(
+    path: Path,
+) -> tuple[ModelFamily, ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     import gguf  # slow to import; only GGUF files need it
 
     try:
@@ -228,23 +240,34 @@ def _read_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
         raise ModelLoadError(f"{path} is not a readable GGUF file: {exc}") from exc
     fields = reader.fields
     tensors = {tensor.name: tensor for tensor in reader.tensors}
-    config = _gguf_config(fields, tensors, str(path))
+    family, config = _gguf_config(fields, tensors, str(path))
     weights: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         hf_name = _gguf_to_hf_name(name)
         if hf_name is None:
-            raise ModelLoadError(f"{path}: unexpected tensor {name!r} (not a Llama GGUF?)")
+            raise ModelLoadError(
+                f"{path}: unexpected tensor {name!r} for GGUF architecture "
+                f"{family.gguf_architecture!r}"
+            )
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         if array.dtype != np.float32 or not array.flags.writeable:  # F32/F16: views of the file
             array = array.astype(np.float32)
         weight = torch.from_numpy(array)
-        # llama.cpp stores Q/K rows with rotary pairs interleaved; back to Hugging Face order.
-        if hf_name.endswith("q_proj.weight"):
-            weight = split_rope_rows(weight, config.num_heads)
-        elif hf_name.endswith("k_proj.weight"):
-            weight = split_rope_rows(weight, config.num_kv_heads)
+        if family.gguf_rope_rows_interleaved:
+            weight = _rope_rows_to_hf_order(hf_name, weight, config)
         weights[hf_name] = weight
-    return config, weights, Tokenizer.from_gguf_fields(fields, source=str(path))
+    return family, config, weights, Tokenizer.from_gguf_fields(fields, source=str(path))
+
+
+def _rope_rows_to_hf_order(hf_name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """llama.cpp's Llama converter stores Q/K rows (and their biases) with the rotary pairs
+    interleaved; back to Hugging Face's half-split order."""
+    heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}.get(
+        hf_name.rsplit(".", 2)[-2]
+    )
+    if heads is None:
+        return weight
+    return split_rope_rows(weight, heads) if weight.dim() == 2 else split_rope_vector(weight, heads)
 
 
 def _gguf_to_hf_name(name: str) -> str | None:
@@ -256,13 +279,19 @@ def _gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
-def _gguf_config(fields: Any, tensors: dict[str, Any], source: str) -> ModelConfig:
+def _gguf_config(
+    fields: Any, tensors: dict[str, Any], source: str
+) -> tuple[ModelFamily, ModelConfig]:
     def field(key: str, default: Any = None) -> Any:
         return fields[key].contents() if key in fields else default
 
     arch = field("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"{source}: GGUF architecture {arch!r} is not supported")
+    try:
+        family = family_for_gguf(str(arch))
+    except UnsupportedArchitecture as exc:
+        raise ModelLoadError(f"{source}: {exc}") from exc
+    if field(f"{arch}.expert_count"):
+        raise ModelLoadError(f"{source}: mixture-of-experts GGUF files are not supported")
     if "rope_freqs.weight" in tensors:
         raise ModelLoadError(f"{source}: GGUF rope_freqs (baked-in rope scaling) is not supported")
 
@@ -275,10 +304,13 @@ def _gguf_config(fields: Any, tensors: dict[str, Any], source: str) -> ModelConf
     hidden_size = int(required("embedding_length"))
     num_heads = int(required("attention.head_count"))
     scaling = None
-    if field(f"{arch}.rope.scaling.type") == "linear":
+    scaling_type = field(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
         scaling = {"rope_type": "linear", "factor": float(required("rope.scaling.factor"))}
+    elif scaling_type != "none":
+        raise ModelLoadError(f"{source}: GGUF rope scaling type {scaling_type!r} is not supported")
     tokens = field("tokenizer.ggml.tokens") or []
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=int(field(f"{arch}.vocab_size") or len(tokens)),
         hidden_size=hidden_size,
         intermediate_size=int(required("feed_forward_length")),
@@ -291,4 +323,9 @@ def _gguf_config(fields: Any, tensors: dict[str, Any], source: str) -> ModelConf
         rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(required("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
+        architecture=family.architecture,
+        model_type=family.model_type,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
     )
+    return family, config

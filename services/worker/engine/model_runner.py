@@ -221,6 +221,7 @@ class ModelRunner:
                 kernel=self.decode_kernel,
                 block_tables=tables[: len(decodes), :max_blocks].contiguous(),
                 context_lens=torch.tensor([e.start_pos + 1 for e in decodes]),
+                window=self.config.sliding_window or 0,
             )
             return [], kernel_decode
         bs = self.block_size
@@ -236,7 +237,10 @@ class ModelRunner:
         """Entries [start, end) (sorted longest first) padded to the first one's blocks."""
         context = torch.tensor([e.start_pos + 1 for e in entries[start:end]])
         blocks = math.ceil(int(context[0]) / self.block_size)
-        padding = torch.arange(blocks * self.block_size) >= context[:, None]
+        positions = torch.arange(blocks * self.block_size)
+        padding = positions >= context[:, None]
+        if (window := self.config.sliding_window) is not None:
+            padding |= positions < context[:, None] - window  # before the sliding window
         return DecodeGroup(
             row_start=start,
             row_end=end,
@@ -248,11 +252,15 @@ class ModelRunner:
         self, entry: BatchEntry, row_start: int, row_end: int, table: torch.Tensor
     ) -> PrefillSpan:
         context = entry.start_pos + len(entry.token_ids)
+        window = self.config.window_of(context)
         mask = None
-        if entry.start_pos > 0:
-            query_positions = torch.arange(entry.start_pos, context)
-            future = torch.arange(context)[None, :] > query_positions[:, None]
-            mask = self._additive_mask(future).to(self.device)
+        if entry.start_pos > 0 or window is not None:
+            query_positions = torch.arange(entry.start_pos, context)[:, None]
+            key_positions = torch.arange(context)[None, :]
+            blocked = key_positions > query_positions
+            if window is not None:
+                blocked |= key_positions <= query_positions - window
+            mask = self._additive_mask(blocked).to(self.device)
         return PrefillSpan(
             row_start=row_start,
             row_end=row_end,

@@ -39,28 +39,29 @@ class Int8Linear(nn.Module):
 
     weight_int8: torch.Tensor
     scales: torch.Tensor
+    bias: torch.Tensor | None  # kept in floating point (Qwen2's Q/K/V)
     in_features: int
     out_features: int
     packed_kernel: bool  # torch has _weight_int8pack_mm for this device
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("Int8Linear supports bias-free projections only")
         q, scale = quantize_per_channel(linear.weight.detach())
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.register_buffer("weight_int8", q)
         self.register_buffer("scales", scale.to(torch.bfloat16))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
         self.packed_kernel = q.device.type == "cpu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.packed_kernel:
             weight = self.weight_int8.to(x.dtype) * self.scales.to(x.dtype)[:, None]
-            return F.linear(x, weight)
+            return F.linear(x, weight, self.bias)
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         out = torch._weight_int8pack_mm(flat, self.weight_int8, self.scales)
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out.add_(self.bias)
 
 
 def quantize_model_int8(model: LlamaModel) -> None:

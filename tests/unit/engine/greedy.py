@@ -1,9 +1,14 @@
-"""A plain greedy loop over ModelRunner: all prompts prefilled in one batch, then decoded
-together one token per step (no scheduler involved)."""
+"""Greedy references: a plain greedy loop over ModelRunner (all prompts prefilled in one
+batch, then decoded together one token per step, no scheduler involved) and transformers'
+own greedy generate."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
 
 from services.worker.engine.loader import LoadedModel
 from services.worker.engine.model_runner import BatchEntry, ModelRunner
@@ -37,4 +42,28 @@ def greedy_generate(
         )
         for out, token in zip(outputs, logits.argmax(dim=-1), strict=True):
             out.append(int(token))
+    return outputs
+
+
+def transformers_greedy(
+    folder: Path, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """transformers' greedy generate on the checkpoint in `folder` (fp32, whatever its
+    family), one prompt at a time, EOS disabled (like ignore_eos)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            # An explicit mask: otherwise token 0 (the pad id) would be masked out.
+            mask = torch.ones_like(ids)
+            generated = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
     return outputs

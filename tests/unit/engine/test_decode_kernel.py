@@ -20,13 +20,18 @@ def reference(
     values: torch.Tensor,
     tables: list[list[int]],
     contexts: list[int],
+    window: int = 0,
 ) -> torch.Tensor:
-    """Each row's context gathered token by token, softmax(q k^T / sqrt(d)) v per head."""
+    """Each row's context (its last `window` tokens when window > 0) gathered token by token,
+    softmax(q k^T / sqrt(d)) v per head."""
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // keys.shape[2]
     rows = []
     for row, (table, context) in enumerate(zip(tables, contexts, strict=True)):
-        slots = [table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(context)]
+        first = max(0, context - window) if window else 0
+        slots = [
+            table[t // BLOCK_SIZE] * BLOCK_SIZE + t % BLOCK_SIZE for t in range(first, context)
+        ]
         k = keys.reshape(-1, *keys.shape[2:])[slots]  # [context, kv_heads, dim]
         v = values.reshape(-1, *values.shape[2:])[slots]
         out = []
@@ -37,10 +42,12 @@ def reference(
     return torch.stack(rows)
 
 
+# A sliding window of 24 tokens (window > 0) starts mid-block and covers 2-3 blocks.
+@pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 32)])
 def test_kernel_matches_plain_attention(
-    threads: int, heads: int, kv_heads: int, head_dim: int
+    threads: int, heads: int, kv_heads: int, head_dim: int, window: int
 ) -> None:
     generator = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + threads)
     num_blocks = 64
@@ -60,10 +67,10 @@ def test_kernel_matches_plain_attention(
     q = torch.randn(len(contexts), heads, head_dim, generator=generator)
 
     kernel = load_decode_kernel(threads)
-    got = kernel(q, keys, values, padded, torch.tensor(contexts))
+    got = kernel(q, keys, values, padded, torch.tensor(contexts), window)
 
     torch.testing.assert_close(
-        got, reference(q, keys, values, tables, contexts), atol=2e-5, rtol=2e-5
+        got, reference(q, keys, values, tables, contexts, window), atol=2e-5, rtol=2e-5
     )
 
 

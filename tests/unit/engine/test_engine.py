@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
 
 from services.worker.engine.api import (
     EngineRequest,
@@ -24,6 +23,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.linear_kernel import SmallBatchLinear
 from services.worker.engine.loader import LoadedModel, load_model
+from tests.unit.engine.greedy import transformers_greedy
 
 NUM_NEW = 32
 PROMPT_LENGTHS = [5, 17, 33, 48, 64, 70, 90, 120]
@@ -44,20 +44,7 @@ def prompts(tiny_loaded: LoadedModel) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_greedy(tiny_llama_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy generate, one prompt at a time, EOS disabled."""
-    model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # like ignore_eos
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            # An explicit mask: otherwise token 0 (the pad id) would be masked out.
-            mask = torch.ones_like(ids)
-            generated = model.generate(
-                ids, attention_mask=mask, max_new_tokens=NUM_NEW, do_sample=False, pad_token_id=0
-            )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
+    return transformers_greedy(tiny_llama_dir, prompts, NUM_NEW)
 
 
 def make_engine(loaded: LoadedModel, **overrides: object) -> Engine:

@@ -61,6 +61,8 @@ def reference(
         assert isinstance(module, nn.Linear)
         weight = module.weight.detach().double()
     y = x @ weight.T
+    if module.bias is not None:
+        y = y + module.bias.double()
     return (y if residual is None else y + residual.double()).float()
 
 
@@ -176,17 +178,20 @@ def test_each_projection_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None
     module = linear(16, 8, generator)
     quantized = Int8Linear(module)
     with_bias = nn.Linear(16, 8)
+    quantized_with_bias = Int8Linear(with_bias)
     transposed = nn.Linear(16, 8, bias=False)
     transposed.weight = nn.Parameter(torch.randn(16, 8, generator=generator).T)
     few, some = torch.randn(4, 16, generator=generator), torch.randn(5, 16, generator=generator)
     many = torch.randn(TRANSPOSED_MAX_ROWS + 1, 16, generator=generator)
     cases: dict[str, list[tuple[nn.Module, torch.Tensor]]] = {
-        "kernel": [(module, few), (quantized, few)],
+        # A bias (Qwen2's Q/K/V) is added after the kernel's product.
+        "kernel": [(module, few), (quantized, few), (with_bias, few), (quantized_with_bias, few)],
         "transposed_product": [(module, some), (module, torch.randn(TRANSPOSED_MAX_ROWS, 16))],
         "project_with_torch": [
             (module, many),
             (quantized, some),
-            (with_bias, few),
+            (with_bias, some),
+            (quantized_with_bias, some),
             (transposed, few),
         ],
     }

@@ -131,7 +131,7 @@ def test_model_facts_come_from_the_files_with_the_native_fingerprint(
     def no_model(*args: object, **kwargs: object) -> None:
         raise AssertionError("a model was built")
 
-    monkeypatch.setattr(loader.LlamaModel, "from_hf_weights", no_model)
+    monkeypatch.setattr(loader.LlamaModel, "from_parameters", no_model)
     facts = read_model_facts(tiny_llama_dir, str(tiny_llama_dir), "float32")
     assert dataclasses.replace(facts, tokenizer=loaded.tokenizer) == loaded.facts()
     assert facts.tokenizer.encode("The quick brown fox") == loaded.tokenizer.encode(
@@ -146,9 +146,9 @@ def test_model_facts_of_an_architecture_only_vllm_runs(
 ) -> None:
     other = copy_without(tiny_llama_dir, tmp_path)
     config = json.loads((other / "config.json").read_text())
-    config |= {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "head_dim": None}
+    config |= {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "head_dim": None}
     (other / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="qwen2"):
+    with pytest.raises(ModelLoadError, match="architecture Phi3ForCausalLM is not supported"):
         load_model(str(other))  # the native engine does not run it
     facts = read_model_facts(other, str(other), "float32")
     native = load_model(str(tiny_llama_dir)).facts()

@@ -11,7 +11,9 @@
  *   value_cache   [num_blocks, block_size, kv_heads, head_dim]  (one layer)
  *   block_tables  [rows, max_blocks] int64
  *   context_lens  [rows] int64, each >= 1 and <= max_blocks * block_size
- * Query head h reads KV head h / (heads / kv_heads) (grouped-query attention).
+ * Query head h reads KV head h / (heads / kv_heads) (grouped-query attention). With window > 0
+ * (a sliding attention window) a row attends to its last `window` tokens only, its own
+ * included; the blocks before them are never read.
  */
 #include <float.h>
 #include <math.h>
@@ -59,32 +61,38 @@ static void softmax_in_place(float *restrict scores, int64_t n) {
     for (int64_t t = 0; t < n; t++) scores[t] *= inverse;
 }
 
-/* scores[h * context + t] = q_h . k_t * scale for every head h and context token t. */
+/* scores[h * n + t - first] = q_h . k_t * scale for every head h and context token t in
+ * [first, context), n = context - first. */
 static void row_scores(const float *q, const float *key_cache, const int64_t *table,
-                       int64_t context, int64_t heads, int64_t group, int64_t head_dim,
-                       int64_t block_size, int64_t token_stride, float scale, float *scores) {
-    for (int64_t start = 0; start < context; start += block_size) {
-        const int64_t tokens = context - start < block_size ? context - start : block_size;
+                       int64_t first, int64_t context, int64_t heads, int64_t group,
+                       int64_t head_dim, int64_t block_size, int64_t token_stride, float scale,
+                       float *scores) {
+    const int64_t n = context - first;
+    for (int64_t start = first - first % block_size; start < context; start += block_size) {
+        const int64_t lo = start < first ? first - start : 0;
+        const int64_t hi = context - start < block_size ? context - start : block_size;
         const float *block = key_cache + table[start / block_size] * block_size * token_stride;
-        for (int64_t i = 0; i < tokens; i++)
+        for (int64_t i = lo; i < hi; i++)
             for (int64_t h = 0; h < heads; h++)
-                scores[h * context + start + i] =
+                scores[h * n + start + i - first] =
                     dot(q + h * head_dim, block + i * token_stride + (h / group) * head_dim,
                         head_dim) * scale;
     }
 }
 
-/* out_h = sum_t probs[h * context + t] * v_t for every head h. */
+/* out_h = sum_t probs[h * n + t - first] * v_t for every head h (t, n as in row_scores). */
 static void row_values(const float *probs, const float *value_cache, const int64_t *table,
-                       int64_t context, int64_t heads, int64_t group, int64_t head_dim,
-                       int64_t block_size, int64_t token_stride, float *out) {
+                       int64_t first, int64_t context, int64_t heads, int64_t group,
+                       int64_t head_dim, int64_t block_size, int64_t token_stride, float *out) {
+    const int64_t n = context - first;
     for (int64_t i = 0; i < heads * head_dim; i++) out[i] = 0.f;
-    for (int64_t start = 0; start < context; start += block_size) {
-        const int64_t tokens = context - start < block_size ? context - start : block_size;
+    for (int64_t start = first - first % block_size; start < context; start += block_size) {
+        const int64_t lo = start < first ? first - start : 0;
+        const int64_t hi = context - start < block_size ? context - start : block_size;
         const float *block = value_cache + table[start / block_size] * block_size * token_stride;
-        for (int64_t i = 0; i < tokens; i++)
+        for (int64_t i = lo; i < hi; i++)
             for (int64_t h = 0; h < heads; h++) {
-                const float p = probs[h * context + start + i];
+                const float p = probs[h * n + start + i - first];
                 const float *restrict v = block + i * token_stride + (h / group) * head_dim;
                 float *restrict o = out + h * head_dim;
 #pragma omp simd
@@ -97,7 +105,8 @@ static void row_values(const float *probs, const float *value_cache, const int64
 int paged_decode_attention(const float *q, const float *key_cache, const float *value_cache,
                            const int64_t *block_tables, const int64_t *context_lens, float *out,
                            int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                           int64_t block_size, int64_t max_blocks, float scale, int threads) {
+                           int64_t block_size, int64_t max_blocks, int64_t window, float scale,
+                           int threads) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
     int failed = 0;
     /* No more threads than rows: a thread with nothing to do would still join the barrier,
@@ -107,18 +116,20 @@ int paged_decode_attention(const float *q, const float *key_cache, const float *
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t context = context_lens[r];
+        const int64_t first = window > 0 && context > window ? context - window : 0;
+        const int64_t n = context - first;
         const int64_t *table = block_tables + r * max_blocks;
-        float *scores = malloc(sizeof(float) * heads * context);
+        float *scores = malloc(sizeof(float) * heads * n);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
-        row_scores(q + r * heads * head_dim, key_cache, table, context, heads, group, head_dim,
-                   block_size, token_stride, scale, scores);
-        for (int64_t h = 0; h < heads; h++) softmax_in_place(scores + h * context, context);
-        row_values(scores, value_cache, table, context, heads, group, head_dim, block_size,
-                   token_stride, out + r * heads * head_dim);
+        row_scores(q + r * heads * head_dim, key_cache, table, first, context, heads, group,
+                   head_dim, block_size, token_stride, scale, scores);
+        for (int64_t h = 0; h < heads; h++) softmax_in_place(scores + h * n, n);
+        row_values(scores, value_cache, table, first, context, heads, group, head_dim,
+                   block_size, token_stride, out + r * heads * head_dim);
         free(scores);
     }
     return failed ? -1 : 0;

@@ -1,9 +1,12 @@
-"""The Llama architecture in plain PyTorch, reading and writing a paged KV cache.
+"""The Llama-style decoder in plain PyTorch, reading and writing a paged KV cache.
 
-Covers Llama 2/3, SmolLM2, Mistral-style checkpoints: RMSNorm, rotary embeddings (default,
-linear and the Llama-3 "llama3" scaling), grouped-query attention, SwiGLU MLP, tied or untied
-embeddings. Q/K/V and gate/up projections are fused into one matmul each (done by the loader)
-because at batch 1 every extra kernel launch is overhead on top of the weight reads.
+Covers Llama 2/3, SmolLM2 and the families that differ from it only in a few switches of
+ModelConfig (models/registry.py names them): RMSNorm, rotary embeddings (default, linear and
+the Llama-3 "llama3" scaling), grouped-query attention, SwiGLU MLP, tied or untied embeddings;
+optionally a bias on Q/K/V (Qwen2), an RMSNorm over each head of Q and K (Qwen3) and a sliding
+attention window (Mistral). Q/K/V and gate/up projections are fused into one matmul each (done
+by the loader) because at batch 1 every extra kernel launch is overhead on top of the weight
+reads.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import nn
 
 from services.worker.engine.attention import AttentionBatch, LayerKvCache, paged_attention
 from services.worker.engine.models import StepInterrupted
+from services.worker.engine.models.family import ModelFamily
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -85,6 +89,14 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # The Hugging Face names of the family (config.json's architectures[0] and model_type).
+    architecture: str = "LlamaForCausalLM"
+    model_type: str = "llama"
+    qkv_bias: bool = False  # Q/K/V projections have a bias (Qwen2)
+    qk_norm: bool = False  # Q and K are RMS-normed per head before RoPE (Qwen3)
+    # Each token attends to at most this many latest tokens, its own included (Mistral);
+    # None: to all of them.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -103,10 +115,14 @@ class ModelConfig:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face LlamaConfig fields (legacy rope keys, which every version reads)."""
+        """The Hugging Face config fields of its family (legacy rope keys, which every version
+        reads)."""
+        family_fields: dict[str, Any] = {"sliding_window": self.sliding_window}
+        if self.model_type == "llama":
+            family_fields = {"attention_bias": False, "mlp_bias": False}
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -120,18 +136,16 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-        }
+        } | family_fields
 
     @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_hf_dict(cls, raw: dict[str, Any], **family: Any) -> ModelConfig:
         """Read a Hugging Face config.json (transformers 4.x `rope_scaling`/`rope_theta` keys or
-        5.x `rope_parameters`). Raises KeyError naming a missing field, ValueError otherwise."""
+        5.x `rope_parameters`); `family` sets the fields a family's config reader decides
+        (architecture, model_type, qkv_bias, qk_norm, sliding_window). Raises KeyError naming a
+        missing field, ValueError otherwise."""
         if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} (Llama uses silu)")
-        if raw.get("attention_bias") or raw.get("mlp_bias"):
-            raise ValueError("attention_bias / mlp_bias checkpoints are not supported")
+            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} (only silu)")
         rope_parameters = raw.get("rope_parameters")
         if isinstance(rope_parameters, dict):
             rope_theta = float(rope_parameters.get("rope_theta", raw.get("rope_theta", 10000.0)))
@@ -154,7 +168,13 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            **family,
         )
+
+    def window_of(self, context: int) -> int | None:
+        """The sliding window when it is shorter than `context` (so it hides some tokens)."""
+        window = self.sliding_window
+        return window if window is not None and window < context else None
 
 
 def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
@@ -267,7 +287,10 @@ class LlamaLayer(nn.Module):
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=False)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.qkv_bias)
+        # Over head_dim, in the interleaved rotary order of the Q/K rows (see fuse_hf_weights).
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.post_attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
@@ -290,6 +313,10 @@ class LlamaLayer(nn.Module):
             .contiguous()
             .view(tokens, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         )
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv[:, : self.num_heads] = self.q_norm(qkv[:, : self.num_heads])
+            heads = slice(self.num_heads, self.num_heads + self.num_kv_heads)
+            qkv[:, heads] = self.k_norm(qkv[:, heads])
         rotated = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], rotations)
         q = rotated[:, : self.num_heads]
         k = rotated[:, self.num_heads :]
@@ -343,51 +370,63 @@ class LlamaModel(nn.Module):
         return [layer for layer in self.layers if isinstance(layer, LlamaLayer)]
 
     @classmethod
-    def from_hf_weights(
+    def from_parameters(
         cls,
         config: ModelConfig,
-        hf_state: dict[str, torch.Tensor],
+        parameters: dict[str, torch.Tensor],
         *,
         dtype: torch.dtype,
         device: torch.device,
     ) -> LlamaModel:
-        """Build the model from Hugging Face-named weights (fusing Q/K/V and gate/up) without
-        ever initializing random weights. KeyError names a missing weight."""
+        """Build the model from its parameters (a family's weight_mapping of the Hugging Face
+        weights) without ever initializing random weights. RuntimeError names a missing or
+        misshapen one."""
         with torch.device("meta"):
             model = cls(config)
-        fused = {
-            name: tensor.to(device=device, dtype=dtype)
-            for name, tensor in fuse_hf_weights(config, hf_state).items()
+        placed = {
+            name: tensor.to(device=device, dtype=dtype) for name, tensor in parameters.items()
         }
-        model.load_state_dict(fused, strict=True, assign=True)
+        model.load_state_dict(placed, strict=True, assign=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.rotary.to(device)
         return model.eval()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The weights under Hugging Face names: Q/K/V and gate/up split again, Q/K rows back in
-        half-split rotary order."""
+        """The weights under Hugging Face names: Q/K/V and gate/up split again, Q/K rows (and
+        their bias and norm weights) back in half-split rotary order."""
         config = self.config
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
+        sizes = qkv_sizes(config)
         state = {"model.embed_tokens.weight": self.embed_tokens.weight.detach()}
         for i, layer in enumerate(self.decoder_layers()):
             prefix = f"model.layers.{i}."
-            q, k, v = layer.qkv_proj.weight.detach().split([q_size, kv_size, kv_size])
+            attn = prefix + "self_attn."
+            q, k, v = layer.qkv_proj.weight.detach().split(sizes)
             gate, up = layer.gate_up_proj.weight.detach().chunk(2)
             state |= {
                 prefix + "input_layernorm.weight": layer.input_norm.weight.detach(),
-                prefix + "self_attn.q_proj.weight": split_rope_rows(q, config.num_heads),
-                prefix + "self_attn.k_proj.weight": split_rope_rows(k, config.num_kv_heads),
-                prefix + "self_attn.v_proj.weight": v,
-                prefix + "self_attn.o_proj.weight": layer.o_proj.weight.detach(),
+                attn + "q_proj.weight": split_rope_rows(q, config.num_heads),
+                attn + "k_proj.weight": split_rope_rows(k, config.num_kv_heads),
+                attn + "v_proj.weight": v,
+                attn + "o_proj.weight": layer.o_proj.weight.detach(),
                 prefix
                 + "post_attention_layernorm.weight": layer.post_attention_norm.weight.detach(),
                 prefix + "mlp.gate_proj.weight": gate,
                 prefix + "mlp.up_proj.weight": up,
                 prefix + "mlp.down_proj.weight": layer.down_proj.weight.detach(),
             }
+            if layer.qkv_proj.bias is not None:
+                q_bias, k_bias, v_bias = layer.qkv_proj.bias.detach().split(sizes)
+                state |= {
+                    attn + "q_proj.bias": split_rope_vector(q_bias, config.num_heads),
+                    attn + "k_proj.bias": split_rope_vector(k_bias, config.num_kv_heads),
+                    attn + "v_proj.bias": v_bias,
+                }
+            if layer.q_norm is not None and layer.k_norm is not None:
+                state |= {
+                    attn + "q_norm.weight": split_rope_vector(layer.q_norm.weight.detach(), 1),
+                    attn + "k_norm.weight": split_rope_vector(layer.k_norm.weight.detach(), 1),
+                }
         state["model.norm.weight"] = self.final_norm.weight.detach()
         if not config.tie_word_embeddings:
             state["lm_head.weight"] = self.lm_head.weight.detach()
@@ -401,9 +440,27 @@ class LlamaModel(nn.Module):
         return project(self.lm_head, hidden, norm=self.final_norm).float().contiguous()
 
 
+def qkv_sizes(config: ModelConfig) -> list[int]:
+    """Rows of Q, K and V in the fused qkv_proj."""
+    kv_size = config.num_kv_heads * config.head_dim
+    return [config.num_heads * config.head_dim, kv_size, kv_size]
+
+
+def interleave_rope_vector(vector: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """interleave_rope_rows for a bias or a per-head norm weight: one value per Q/K row, so it
+    takes the same reordering as the rows (or it would be added to the wrong dims)."""
+    return interleave_rope_rows(vector[:, None], num_heads)[:, 0]
+
+
+def split_rope_vector(vector: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of interleave_rope_vector."""
+    return split_rope_rows(vector[:, None], num_heads)[:, 0]
+
+
 def fuse_hf_weights(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Hugging Face Llama weights -> this module's parameters (fused projections, interleaved
-    rotary rows)."""
+    """Hugging Face Llama-style weights -> this module's parameters (fused projections,
+    interleaved rotary rows, with the Q/K/V bias and the Q/K norms of the families that have
+    them). KeyError names a missing weight."""
     fused = {
         "embed_tokens.weight": hf["model.embed_tokens.weight"],
         "final_norm.weight": hf["model.norm.weight"],
@@ -431,4 +488,32 @@ def fuse_hf_weights(config: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[st
             ),
             dst + "down_proj.weight": hf[mlp + "down_proj.weight"],
         }
+        if config.qkv_bias:
+            fused[dst + "qkv_proj.bias"] = torch.cat(
+                [
+                    interleave_rope_vector(hf[attn + "q_proj.bias"], config.num_heads),
+                    interleave_rope_vector(hf[attn + "k_proj.bias"], config.num_kv_heads),
+                    hf[attn + "v_proj.bias"],
+                ]
+            )
+        if config.qk_norm:
+            fused[dst + "q_norm.weight"] = interleave_rope_vector(hf[attn + "q_norm.weight"], 1)
+            fused[dst + "k_norm.weight"] = interleave_rope_vector(hf[attn + "k_norm.weight"], 1)
     return fused
+
+
+def read_llama_config(raw: dict[str, Any]) -> ModelConfig:
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ValueError("attention_bias / mlp_bias Llama checkpoints are not supported")
+    return ModelConfig.from_hf_dict(raw)
+
+
+FAMILY = ModelFamily(
+    architecture="LlamaForCausalLM",
+    model_type="llama",
+    gguf_architecture="llama",
+    gguf_rope_rows_interleaved=True,
+    read_config=read_llama_config,
+    model_class=LlamaModel,
+    weight_mapping=fuse_hf_weights,
+)

@@ -1,0 +1,363 @@
+"""Every registered family beyond Llama (Qwen2, Qwen3, Mistral) against transformers, on tiny
+random checkpoints written from transformers' own config classes (tests/tiny_checkpoints.py):
+greedy tokens in a staggered continuous batch on both kernel paths, logits at every position,
+the KV hand-off, prefix caching, int8, the offline LLM API, GGUF files, and the checkpoints
+the engine refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvmesh.contracts.constraints import Constraint, ConstraintKind
+from services.worker.engine.api import EngineRequest, FinishReason, SamplingParams
+from services.worker.engine.decode_kernel import load_decode_kernel
+from services.worker.engine.linear_kernel import SmallBatchLinear, load_linear_kernel
+from services.worker.engine.llm import LLM
+from services.worker.engine.loader import LoadedModel, ModelLoadError, load_model, save_hf_folder
+from services.worker.engine.model_runner import BatchEntry, ModelRunner
+from tests.tiny_checkpoints import (
+    FAMILIES,
+    TINY_CORPUS,
+    TinyFamily,
+    write_tiny_checkpoint,
+    write_tiny_gguf,
+)
+from tests.unit.engine.greedy import transformers_greedy
+from tests.unit.engine.test_engine import (
+    GREEDY,
+    NUM_NEW,
+    PROMPT_LENGTHS,
+    drive,
+    make_engine,
+    staggered,
+)
+from tests.unit.engine.test_structured_output import SCHEMAS, parse_json, sampling
+from tests.unit.engine.test_structured_output import make_engine as grammar_engine
+from tests.unit.engine.test_structured_output import prompt as constrained_prompt
+
+FAMILY_NAMES = ["qwen2", "qwen3", "mistral"]
+BLOCK_SIZE = 16
+LOGIT_PROMPT = 64
+# fp32 logits of the engine against transformers' (measured max |diff| over all 64 positions,
+# both paths, all three families: 0.7e-5 to 4.0e-5, logits up to 8.3 in size).
+LOGIT_TOLERANCE = 1e-4
+# Share of positions where int8 picks the fp32 model's argmax (measured: 0.91-0.95).
+INT8_AGREEMENT = 0.85
+
+
+@pytest.fixture(scope="module", params=FAMILY_NAMES)
+def family(request: pytest.FixtureRequest) -> TinyFamily:
+    return FAMILIES[request.param]
+
+
+@pytest.fixture(scope="module")
+def family_dir(family: TinyFamily, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(family, tmp_path_factory.mktemp(f"tiny_{family.name}"))
+
+
+@pytest.fixture(scope="module")
+def loaded(family_dir: Path) -> LoadedModel:
+    return load_model(str(family_dir))
+
+
+@pytest.fixture(scope="module")
+def hf_model(family_dir: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(family_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(loaded: LoadedModel) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(7)
+    vocab = loaded.config.vocab_size
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(family_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    return transformers_greedy(family_dir, prompts, NUM_NEW)
+
+
+def test_config_has_the_family_shape(family: TinyFamily, loaded: LoadedModel) -> None:
+    config = loaded.config
+    fields = family.fields
+    assert config.model_type == family.name
+    assert (config.num_heads, config.num_kv_heads) == (
+        fields["num_attention_heads"],
+        fields["num_key_value_heads"],
+    )
+    assert config.head_dim == fields.get("head_dim", fields["hidden_size"] // config.num_heads)
+    assert config.vocab_size == fields["vocab_size"] and config.vocab_size % 2 == 1
+    assert config.tie_word_embeddings == fields["tie_word_embeddings"]
+    assert config.qkv_bias == (family.name == "qwen2")
+    assert config.qk_norm == (family.name == "qwen3")
+    assert config.sliding_window == fields.get("sliding_window")
+
+
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_greedy_staggered_continuous_batch_matches_transformers(
+    loaded: LoadedModel, prompts: list[list[int]], hf_greedy: list[list[int]], kernels: str
+) -> None:
+    engine = make_engine(
+        loaded,
+        decode_attention="kernel" if kernels == "on" else "sdpa",
+        small_batch_linear="kernel" if kernels == "on" else "torch",
+    )
+    assert isinstance(engine.runner.project, SmallBatchLinear) == (kernels == "on")
+    results = drive(engine, staggered(prompts))
+    for i, expected in enumerate(hf_greedy):
+        assert results[f"r{i}"].token_ids == expected, f"prompt {i} ({len(prompts[i])} tokens)"
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def position_runner(loaded: LoadedModel, prompt_len: int, kernels: bool) -> ModelRunner:
+    """A runner with a block table of its own for each prefix of the prompt, and one more."""
+    threads = torch.get_num_threads()
+    chosen: dict[str, Any] = (
+        {"decode_kernel": load_decode_kernel(threads), "linear_kernel": load_linear_kernel(threads)}
+        if kernels
+        else {}
+    )
+    blocks = -(-prompt_len // BLOCK_SIZE)
+    return ModelRunner(
+        loaded, num_blocks=blocks * (prompt_len + 1), block_size=BLOCK_SIZE, **chosen
+    )
+
+
+def tables_of(prompt_len: int) -> list[list[int]]:
+    blocks = -(-prompt_len // BLOCK_SIZE)
+    return [list(range(i * blocks, (i + 1) * blocks)) for i in range(prompt_len + 1)]
+
+
+def prefill_logits(loaded: LoadedModel, prompt: list[int], kernels: bool) -> torch.Tensor:
+    """[positions, vocab]: every prefix of the prompt as its own prefill entry, one batch."""
+    runner = position_runner(loaded, len(prompt), kernels)
+    tables = tables_of(len(prompt))
+    return runner.forward([BatchEntry(prompt[: n + 1], 0, tables[n]) for n in range(len(prompt))])
+
+
+def decode_logits(loaded: LoadedModel, prompt: list[int], kernels: bool) -> torch.Tensor:
+    """[positions, vocab]: the prompt fed one decode step at a time."""
+    runner = position_runner(loaded, len(prompt), kernels)
+    table = tables_of(len(prompt))[-1]
+    return torch.stack(
+        [
+            runner.forward([BatchEntry([token], position, table)])[0]
+            for position, token in enumerate(prompt)
+        ]
+    )
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_logits_match_transformers_at_every_position(
+    loaded: LoadedModel, hf_model: Any, kernels: bool
+) -> None:
+    generator = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, loaded.config.vocab_size, (LOGIT_PROMPT,), generator=generator)
+    with torch.no_grad():
+        expected = hf_model(prompt[None]).logits[0].float()
+    for logits in (
+        prefill_logits(loaded, prompt.tolist(), kernels),
+        decode_logits(loaded, prompt.tolist(), kernels),
+    ):
+        torch.testing.assert_close(logits, expected, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+
+
+def test_mistral_window_shorter_than_the_prompt_hides_the_tokens_before_it(
+    family_dir: Path, loaded: LoadedModel, hf_model: Any
+) -> None:
+    """The window really changes the output (so the matches above test it): transformers
+    without the window disagrees with the engine past the window."""
+    if loaded.config.sliding_window is None:
+        pytest.skip(f"{loaded.config.model_type} has no sliding window")
+    window = loaded.config.sliding_window
+    assert window < LOGIT_PROMPT
+    prompt = torch.arange(LOGIT_PROMPT) % loaded.config.vocab_size
+    windowless = AutoModelForCausalLM.from_pretrained(
+        family_dir, dtype=torch.float32, sliding_window=None
+    ).eval()
+    with torch.no_grad():
+        full = windowless(prompt[None]).logits[0]
+        windowed = hf_model(prompt[None]).logits[0]
+    ours = decode_logits(loaded, prompt.tolist(), kernels=True)
+    torch.testing.assert_close(ours[:window], full[:window], atol=1e-4, rtol=1e-4)
+    assert (ours[window:] - full[window:]).abs().amax() > 1e-2
+    torch.testing.assert_close(ours, windowed, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+
+
+def test_kv_hand_off_between_two_engines_continues_exactly(
+    loaded: LoadedModel, prompts: list[list[int]], hf_greedy: list[list[int]]
+) -> None:
+    prompt = prompts[5]  # 70 tokens: 4 full blocks + 6
+    engine_a, engine_b = make_engine(loaded), make_engine(loaded)
+    assert engine_a.runner.layout.head_dim == loaded.config.head_dim
+    engine_a.add_request(EngineRequest("p", prompt, GREEDY), hold_after_prefill=True)
+    (first,) = engine_a.step() + engine_a.step()  # 40-token budget: two prefill steps
+    handle = engine_a.take_handle("p")
+    assert handle is not None
+    plan = engine_b.start_import(EngineRequest("p", prompt, GREEDY), handle.block_hashes, 70)
+    blobs = engine_a.export_blocks(handle.handle_id, plan.missing_indices)
+    for index, blob in zip(plan.missing_indices, blobs, strict=True):
+        engine_b.write_imported_block(plan, index, blob)
+    engine_b.commit_import(plan, first.new_token_ids[0])
+    rest = drive(engine_b, {0: []})
+    assert first.new_token_ids + rest["p"].token_ids == hf_greedy[5]
+    assert engine_a.release(handle.handle_id) == 5
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(
+    loaded: LoadedModel, prompts: list[list[int]], hf_greedy: list[list[int]]
+) -> None:
+    engine = make_engine(loaded)
+    miss = drive(engine, {0: [EngineRequest("miss", prompts[7], GREEDY)]})["miss"]
+    hit = drive(engine, {0: [EngineRequest("hit", prompts[7], GREEDY)]})["hit"]
+    assert hit.outputs[0].num_cached_prompt_tokens == 112  # 7 full blocks of 120 tokens
+    assert miss.token_ids == hit.token_ids == hf_greedy[7]
+
+
+def test_int8_follows_the_fp32_model(family_dir: Path, loaded: LoadedModel) -> None:
+    """int8 weight-only (Qwen2's Q/K/V bias kept in float) on every path (the kernel's int8
+    rows, torch's int8 matmul on bf16 activations; prefill and decode) mostly picks the fp32
+    model's argmax at every position of a 64-token prompt."""
+    int8 = load_model(str(family_dir), quantization="int8")
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, loaded.config.vocab_size, (LOGIT_PROMPT,), generator=generator)
+    expected = prefill_logits(loaded, prompt.tolist(), kernels=False).argmax(-1)
+    paths = {
+        # One row a step: the small-batch kernel on the int8 weights.
+        "decode, kernels": decode_logits(int8, prompt.tolist(), kernels=True),
+        # Many rows: torch's int8 matmul on bf16 activations.
+        "prefill, torch": prefill_logits(int8, prompt.tolist(), kernels=False),
+    }
+    for path, logits in paths.items():
+        agreement = float((logits.argmax(-1) == expected).float().mean())
+        assert agreement >= INT8_AGREEMENT, (path, agreement)
+
+
+def test_offline_llm_api_generates_the_transformers_tokens(family_dir: Path, hf_model: Any) -> None:
+    llm = LLM(str(family_dir), num_kv_blocks=32)
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True)
+    (completion,) = llm.generate(["The quick brown fox"], sampling)
+    ids = llm.tokenizer.encode("The quick brown fox")
+    (expected,) = transformers_greedy(family_dir, [ids], 12)
+    assert completion.prompt_token_ids == ids
+    assert completion.token_ids == expected
+    assert completion.finish_reason is FinishReason.LENGTH
+
+
+def test_gguf_file_of_the_family_loads_the_same_model(
+    family: TinyFamily, family_dir: Path, loaded: LoadedModel, tmp_path: Path
+) -> None:
+    """Written with the gguf package (its own tensor names, Qwen's Q/K rows unpermuted, as
+    llama.cpp's converter leaves them): the same config, weights and tokens."""
+    if family.gguf_architecture is None:
+        pytest.skip(f"llama.cpp writes {family.name} checkpoints as another architecture")
+    from_gguf = load_model(str(write_tiny_gguf(family, family_dir, tmp_path / "tiny.gguf")))
+    # GGUF stores the epsilon as a float32.
+    assert from_gguf.config.rms_norm_eps == pytest.approx(loaded.config.rms_norm_eps, rel=1e-6)
+    assert dataclasses.replace(from_gguf.config, rms_norm_eps=loaded.config.rms_norm_eps) == (
+        loaded.config
+    )
+    ours, theirs = loaded.model.hf_state_dict(), from_gguf.model.hf_state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+    for text in TINY_CORPUS:
+        assert from_gguf.tokenizer.encode(text) == loaded.tokenizer.encode(text), text
+    messages = [{"role": "user", "content": "hi"}]
+    assert from_gguf.tokenizer.apply_chat_template(messages) == (
+        loaded.tokenizer.apply_chat_template(messages)
+    )
+
+
+def test_save_hf_folder_round_trips_the_family(loaded: LoadedModel, tmp_path: Path) -> None:
+    """What the vLLM backend and the benchmarks write: transformers' config of the family, the
+    weights back under Hugging Face names (bias and norm rows in their own order)."""
+    save_hf_folder(loaded, tmp_path / "saved")
+    again = load_model(str(tmp_path / "saved"))
+    assert again.config == loaded.config
+    ours, theirs = loaded.model.hf_state_dict(), again.model.hf_state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_structured_output_and_seeded_sampling(loaded: LoadedModel, backend: str) -> None:
+    """The grammar masks cover the family's vocabulary (larger than its tokenizer's here):
+    seeded-sampled JSON validates against its schema, a greedy regex answer matches."""
+    schema = SCHEMAS["enum_and_const"]
+    json_constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))
+    requests = [
+        EngineRequest(f"json-{seed}", constrained_prompt(seed), sampling(seed, json_constraint))
+        for seed in (1, 2, 3)
+    ]
+    regex = Constraint(ConstraintKind.REGEX, r"[a-z]{3,6}( [a-z]{3,6}){2}")
+    requests.append(EngineRequest("regex", constrained_prompt(4), sampling(None, regex)))
+    # A generous compile limit: on a busy machine the JSON schema took over 10 s to compile.
+    engine = grammar_engine(loaded, backend, grammar_compile_timeout_s=120.0)
+    results = drive(engine, {0: requests})
+    for request in requests[:-1]:
+        result = results[request.request_id]
+        assert result.finish_reason is FinishReason.STOP, result.text
+        jsonschema.validate(parse_json(result.text), schema)
+    assert re.fullmatch(r"[a-z]{3,6}( [a-z]{3,6}){2}", results["regex"].text)
+
+
+def edited_copy(folder: Path, tmp_path: Path, **changes: Any) -> Path:
+    """A copy of the checkpoint with config.json fields changed (None removes one)."""
+    copy = tmp_path / "edited"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"architectures": ["Qwen2MoeForCausalLM"], "num_experts": 8},
+            r"mixture-of-experts checkpoints \(Qwen2MoeForCausalLM, num_experts\)",
+        ),
+        (
+            {"architectures": ["Qwen2VLForConditionalGeneration"], "vision_config": {}},
+            r"multimodal checkpoints \(Qwen2VLForConditionalGeneration, vision_config\)",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}},
+            "unsupported rope_scaling type 'yarn'",
+        ),
+        ({"architectures": ["GPT2LMHeadModel"]}, "architecture GPT2LMHeadModel is not supported"),
+        ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ],
+    ids=["moe", "multimodal", "rope-yarn", "unknown-architecture", "activation"],
+)
+def test_unsupported_checkpoints_are_refused_in_one_line(
+    family_dir: Path, tmp_path: Path, changes: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ModelLoadError, match=message) as refused:
+        load_model(str(edited_copy(family_dir, tmp_path, **changes)))
+    assert "\n" not in str(refused.value)
+
+
+def test_qwen_layer_sliding_window_is_refused(family_dir: Path, tmp_path: Path) -> None:
+    if not family_dir.name.startswith("tiny_qwen"):
+        pytest.skip("only Qwen configs have use_sliding_window")
+    edited = edited_copy(family_dir, tmp_path, use_sliding_window=True, sliding_window=32)
+    with pytest.raises(ModelLoadError, match="use_sliding_window"):
+        load_model(str(edited))
