@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.mesh import PORT_OFFSET, advancing, running_stack, specs, warmup_spec
+from bench.peers import machine, timed_region
 from bench.report import (
     RESULTS,
     repeat_command,
@@ -59,6 +60,7 @@ async def measure(args: argparse.Namespace, progress: Progress) -> dict[str, Any
         v: {name: [] for name in loads} for v in VARIANTS
     }
     durations: dict[str, dict[str, float]] = {v: dict.fromkeys(loads, 0.0) for v in VARIANTS}
+    other_cores: list[float] = []
     starting = progress.add_task("starting both stacks", total=None)
     async with contextlib.AsyncExitStack() as stacks:
         targets: dict[str, tuple[str, Path | None]] = {}
@@ -78,15 +80,22 @@ async def measure(args: argparse.Namespace, progress: Progress) -> dict[str, Any
                     task = progress.add_task(
                         f"round {round_index + 1}, {name}, {variant}", total=spec.num_requests
                     )
-                    done, duration = await run_load(gateway, spec, advancing(progress, task), ca)
+                    with timed_region() as region:
+                        done, duration = await run_load(
+                            gateway, spec, advancing(progress, task), ca
+                        )
+                    other_cores.append(region.other_cores)
                     results[variant][name] += done
                     durations[variant][name] += duration
     return {
-        variant: {
-            name: summarize(results[variant][name], durations[variant][name], Slo())
-            for name in loads
-        }
-        for variant in VARIANTS
+        **{
+            variant: {
+                name: summarize(results[variant][name], durations[variant][name], Slo())
+                for name in loads
+            }
+            for variant in VARIANTS
+        },
+        "other_cores": other_cores,
     }
 
 
@@ -98,7 +107,7 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     plain, tls = figures["plaintext"], figures["tls"]
     return {
         "model": args.model,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": f"{machine()['cpu']}, {platform.machine()}, {os.cpu_count()} cores",
         "load_average_before": load_before,
         "load_average_after": os.getloadavg()[0],
         "workload": {
@@ -160,7 +169,13 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 f"| {s['ttft']['p50_ms']:.1f} | {s['ttft']['p99_ms']:.1f} "
                 f"| {s['itl']['p50_ms']:.1f} |"
             )
-    lines += ["", *verdicts(report)]
+    others = report.get("other_cores") or [0.0]
+    lines += [
+        "",
+        *verdicts(report),
+        f"- other processes kept {min(others):.2f}-{max(others):.2f} cores busy during the "
+        f"{len(others)} timed regions (bench.peers.timed_region)",
+    ]
     failed = sum(
         report[v][load]["failed"] for v in VARIANTS for load in ("concurrent", "sequential")
     )

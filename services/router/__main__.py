@@ -40,6 +40,7 @@ class Router:
     registry: PoolRegistry
     monitor: WorkerMonitor
     discovery: DnsDiscovery
+    peers: Peers
     server: GrpcServer
 
     async def start_background(self) -> None:
@@ -81,7 +82,7 @@ def build_router(config: RouterConfig) -> Router:
     servicer = RouterServicer(registry, orchestrator, monitor)
     resolver = DnsResolver(config.dns_server, config.check_timeout_s)
     discovery = DnsDiscovery(
-        registry, dns_targets, resolver, config.dns_interval_s, monitor.check_many
+        registry, dns_targets, resolver, config.dns_interval_s, monitor.check_many, peers.retire
     )
 
     async def close() -> None:
@@ -94,7 +95,7 @@ def build_router(config: RouterConfig) -> Router:
     server = GrpcServer(
         config, "router", [binding], on_stop=[close], guard=mesh_guard(keys, tls), tls=tls
     )
-    return Router(registry, monitor, discovery, server)
+    return Router(registry, monitor, discovery, peers, server)
 
 
 async def _run(config: RouterConfig) -> None:

@@ -4,9 +4,10 @@ On Kubernetes NAME is a pool's headless Service, whose DNS answer lists the pool
 in docker-compose it is a service with `deploy.replicas`. Every `interval_s` each name is
 resolved again: an address that appeared joins the pool (in rotation once its health check
 passes, which it gets at once), one that left the answer leaves the pool (no new requests; the
-ones already on it finish over their own calls). A failed lookup (timeout, no server) changes
-nothing, so a DNS hiccup never empties a pool; an answer that the name does not exist, or has
-no address, does empty it. Plain host:port entries stay as they are (a static list).
+ones already on it finish over their own calls, whose channels then close). A failed lookup
+(timeout, no server) changes nothing, so a DNS hiccup never empties a pool; an answer that the
+name does not exist, or has no address, does empty it. Plain host:port entries stay as they
+are (a static list).
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ class DnsDiscovery:
     interval_s: float
     check_now: Callable[[list[str]], Awaitable[None]]
     """Health-checks newly found workers at once (the monitor's check_many)."""
+    retire: Callable[[str], None]
+    """Closes a departed worker's channels once its running calls end (Peers.retire)."""
     _members: dict[PoolTarget, set[str]] = field(default_factory=dict)
     _task: asyncio.Task[None] | None = None
 
@@ -166,6 +169,7 @@ class DnsDiscovery:
         for address in sorted(known - current):
             with contextlib.suppress(NotFound):  # already removed by hand (RemoveWorker)
                 self.registry.remove(address)
+            self.retire(address)
             log.info("worker %s left %s: draining", address, pool.target)
         joined = []
         for address in sorted(current - known):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,15 @@ class Worker:
         await self.server.stop(0)
 
 
+def own_address(advertise_address: str) -> str:
+    """The configured address with a missing host (":50061") filled with this machine's own
+    address (a container's IP on its network), resolved once at start."""
+    host, _, port = advertise_address.rpartition(":")
+    if not advertise_address or host:
+        return advertise_address
+    return f"{socket.gethostbyname(socket.gethostname())}:{port}"
+
+
 def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> Worker:
     """A worker around `engine` (loaded from the config when None), not yet started."""
     config.validate()
@@ -69,11 +79,12 @@ def build_worker(config: WorkerConfig, engine: EngineBackend | None = None) -> W
     tls = tls_of(config)
     # The lease names this worker's address, known only once the server has bound its port.
     servers: list[GrpcServer] = []
+    advertised = own_address(config.advertise_address)
     servicer = WorkerServicer(
         engine,
         config,
         leases,
-        lambda: config.advertise_address or servers[0].address,
+        lambda: advertised or servers[0].address,
         keys,
         tls,
     )

@@ -34,7 +34,9 @@ class WorkerConfig(ServerConfig):
     lease_sweep_interval_s: float = 0.25
     """How often expired leases are looked for (and the gauges refreshed)."""
     advertise_address: str = ""
-    """host:port other workers dial to pull this worker's leases; empty: host and bound port."""
+    """host:port other workers dial to pull this worker's leases; empty: host and bound port;
+    :PORT (no host): this machine's own address, e.g. each replica of a compose service its
+    container's IP (deploy/compose.replicas.yaml)."""
     kv_chunk_bytes: int = 1 << 20
     """Largest data piece of one KvChunk on PullKv (at most 1 MiB)."""
     kv_send_max_mb_s: float = 0.0

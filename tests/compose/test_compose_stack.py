@@ -5,8 +5,10 @@ the Redis stand-in first; this module starts compose's kvmesh services and Redis
 podman-compose with deploy/compose.offline.yaml, waits until every health check passes (polled
 with `podman healthcheck run`: podman runs no timers without systemd), sends requests through
 the published gateway port, compares the tokens with those `kvmesh up` gives on the same
-prompts, and stops the stack, leaving no container, volume or network behind. Each stage's time
-is printed (pytest -s).
+prompts, and stops the stack, leaving no container, volume or network behind; then the same
+with deploy/compose.tls.yaml (mutual TLS on every hop, the certificates made by its tls-certs
+step into a host folder, the client verifying the gateway with their CA). Each stage's time is
+printed (pytest -s).
 """
 
 from __future__ import annotations
@@ -27,20 +29,18 @@ import kvmesh
 from kvmesh.stack import StackOptions, plan_stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PROJECT = f"kvmesh-test-{os.getpid()}"
-COMPOSE = [
-    "podman-compose",
-    "-p",
-    PROJECT,
-    "-f",
-    "docker-compose.yml",
-    "-f",
-    "deploy/compose.offline.yaml",
-]
+COMPOSE_FILES = ["docker-compose.yml", "deploy/compose.offline.yaml"]
+MODE_FILES = {
+    "plain": [],
+    "tls": ["deploy/compose.tls.yaml"],
+    "replicas": ["deploy/compose.replicas.yaml"],
+}
+"""The variants run: as it is, with mutual TLS, with every worker service as 2 replicas."""
+REPLICAS = 2
 PLAN = plan_stack(StackOptions())
-SERVICES = ["redis", "mesh-secret", *(service.name for service in PLAN)]
-"""What the test starts: Redis, the one-shot mesh-secret step and every service of kvmesh up
-(the observability services are images from a registry, out of reach here)."""
+SERVICES = ["redis", *(service.name for service in PLAN)]
+"""What the test starts after the one-shot steps: Redis and every service of kvmesh up (the
+observability services are images from a registry, out of reach here)."""
 DEMO_API_KEY = "kvm_compose-demo-key"
 PROMPTS = ["The quick brown fox", "Paged attention stores the KV cache in"]
 MAX_TOKENS = 16
@@ -82,21 +82,6 @@ def run(*argv: str, env: dict[str, str] | None = None, timeout: float = 600) -> 
     return done.stdout
 
 
-def container(service: str) -> str:
-    """podman-compose's name for a service's (first) container."""
-    return f"{PROJECT}_{service}_1"
-
-
-def leftovers() -> list[str]:
-    """The project's containers, volumes and networks that podman still holds."""
-    return [
-        f"{kind} {name}"
-        for kind, listing in LISTINGS.items()
-        for name in run("podman", *listing, "--filter", PROJECT_LABEL).split()
-    ]
-
-
-PROJECT_LABEL = f"label=io.podman.compose.project={PROJECT}"
 LISTINGS = {
     "container": ["ps", "-a", "--format", "{{.Names}}"],
     "volume": ["volume", "ls", "--format", "{{.Name}}"],
@@ -106,21 +91,59 @@ LISTINGS = {
 
 @dataclass
 class ComposeStack:
+    project: str
+    files: list[str]
     gateway: str
     """HOST:PORT the gateway is published on."""
     env: dict[str, str]
+    ca_file: Path | None = None
+    """The stack's CA with TLS (the client verifies the gateway with it)."""
+    replicas: int = 1
+    """Containers per worker service."""
     stages: dict[str, float] = field(default_factory=dict)
     """Seconds each stage took, printed at the end."""
     healthy_after: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def one_shots(self) -> list[str]:
+        """The set-up steps, run to completion before the stack: podman-compose 1.0.3 starts
+        everything at once and waits for no condition."""
+        return ["mesh-secret", *(["tls-certs"] if self.ca_file else [])]
+
     def compose(self, *args: str, timeout: float = 600) -> str:
-        return run(*COMPOSE, *args, env=self.env, timeout=timeout)
+        files = [arg for name in self.files for arg in ("-f", name)]
+        return run(
+            "podman-compose", "-p", self.project, *files, *args, env=self.env, timeout=timeout
+        )
+
+    def container(self, service: str, number: int = 1) -> str:
+        """podman-compose's name for a service's `number`-th container."""
+        return f"{self.project}_{service}_{number}"
+
+    def containers(self) -> list[str]:
+        """Every long-running container: one per service, `replicas` per worker service."""
+        workers = {service.name for service in PLAN if service.role}
+        return [
+            self.container(service, number)
+            for service in SERVICES
+            for number in range(1, (self.replicas if service in workers else 1) + 1)
+        ]
+
+    def leftovers(self) -> list[str]:
+        """The project's containers, volumes and networks that podman still holds."""
+        label = f"label=io.podman.compose.project={self.project}"
+        return [
+            f"{kind} {name}"
+            for kind, listing in LISTINGS.items()
+            for name in run("podman", *listing, "--filter", label).split()
+        ]
 
     def down(self) -> None:
         """Stops and removes the containers and volumes, then the network (which
         podman-compose 1.0.3's `down` leaves)."""
         self.compose("down", "-v", "-t", "45")
-        networks = run("podman", *LISTINGS["network"], "--filter", PROJECT_LABEL).split()
+        label = f"label=io.podman.compose.project={self.project}"
+        networks = run("podman", *LISTINGS["network"], "--filter", label).split()
         if networks:
             run("podman", "network", "rm", *networks)
 
@@ -146,49 +169,64 @@ def one_shot_succeeded(name: str) -> bool:
     return succeeded
 
 
-def wait_healthy(stack: ComposeStack, services: list[str]) -> None:
+def wait_healthy(stack: ComposeStack) -> None:
     start = time.monotonic()
-    waiting = set(services)
+    waiting = set(stack.containers())
     status: dict[str, str] = {}
     while waiting and time.monotonic() - start < HEALTHY_WITHIN_S:
-        for service in sorted(waiting):
-            status[service] = health_status(container(service))
-            if status[service] == "healthy":
-                stack.healthy_after[service] = round(time.monotonic() - start, 1)
-                waiting.discard(service)
+        for name in sorted(waiting):
+            status[name] = health_status(name)
+            if status[name] == "healthy":
+                stack.healthy_after[name.removeprefix(f"{stack.project}_")] = round(
+                    time.monotonic() - start, 1
+                )
+                waiting.discard(name)
         time.sleep(2)
     if waiting:
-        logs = {s: run("podman", "logs", "--tail", "30", container(s)) for s in waiting}
+        logs = {name: run("podman", "logs", "--tail", "30", name) for name in waiting}
         pytest.fail(f"not healthy within {HEALTHY_WITHIN_S:.0f} s: {status}\n{logs}")
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[ComposeStack]:
+@pytest.fixture(scope="module", params=list(MODE_FILES))
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ComposeStack]:
     gateway_port, http_port = free_port(), free_port()
     env = {
         **PODMAN_ENV,
         "KVMESH_GATEWAY_PORT": str(gateway_port),
         "KVMESH_HTTP_PORT": str(http_port),
     }
-    running = ComposeStack(f"127.0.0.1:{gateway_port}", env)
-    assert not leftovers(), "a stack of this project is already there"
+    files, ca_file = [*COMPOSE_FILES, *MODE_FILES[request.param]], None
+    if request.param == "tls":
+        tls_dir = tmp_path_factory.mktemp("compose-tls")
+        env["KVMESH_TLS_DIR"] = str(tls_dir)
+        ca_file = tls_dir / "ca.pem"
+    replicas = REPLICAS if request.param == "replicas" else 1
+    project = f"kvmesh-test-{os.getpid()}-{request.param}"
+    running = ComposeStack(project, files, f"127.0.0.1:{gateway_port}", env, ca_file, replicas)
+    assert not running.leftovers(), "a stack of this project is already there"
     try:
         start = time.monotonic()
-        # The one-shot secret step first: podman-compose 1.0.3 starts everything at once and
-        # does not wait for conditions.
-        running.compose("up", "-d", "mesh-secret")
-        run("podman", "wait", container("mesh-secret"))
-        assert one_shot_succeeded(container("mesh-secret"))
+        for step in running.one_shots:
+            running.compose("up", "-d", step)
+            run("podman", "wait", running.container(step))
+            assert one_shot_succeeded(running.container(step))
         running.compose("up", "-d", *SERVICES)
-        long_running = [s for s in SERVICES if s != "mesh-secret"]
-        wait_healthy(running, long_running)
+        wait_healthy(running)
         running.stages["start to every service healthy"] = round(time.monotonic() - start, 1)
         yield running
     finally:
-        if leftovers():
+        if running.leftovers():
             running.down()
-        print(f"\nkvmesh compose stages (s): {running.stages}")
-        print(f"kvmesh compose services healthy after (s): {running.healthy_after}")
+        print(f"\nkvmesh compose ({request.param}) stages (s): {running.stages}")
+        print(f"kvmesh compose ({request.param}) healthy after (s): {running.healthy_after}")
+
+
+@pytest.fixture(scope="module")
+def expected_tokens() -> list[list[int]]:
+    """The prompts' tokens from `kvmesh up` on the host."""
+    return kvmesh_up_tokens()
 
 
 def kvmesh_up_tokens() -> list[list[int]]:
@@ -231,25 +269,95 @@ def kvmesh_up_tokens() -> list[list[int]]:
 
 
 def test_every_service_is_healthy(stack: ComposeStack) -> None:
-    assert set(stack.healthy_after) == set(SERVICES) - {"mesh-secret"}
+    prefix = f"{stack.project}_"
+    assert set(stack.healthy_after) == {name.removeprefix(prefix) for name in stack.containers()}
 
 
-def test_the_published_gateway_answers_with_kvmesh_ups_tokens(stack: ComposeStack) -> None:
+def router_metric(stack: ComposeStack, name: str) -> dict[str, float]:
+    """A router metric's samples by their `pool` label, read inside the router's container."""
+    read = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:{}/metrics').read().decode())"
+    router = next(s for s in PLAN if s.name == "router")
+    text = run(
+        "podman",
+        "exec",
+        stack.container("router"),
+        "python",
+        "-c",
+        read.format(router.metrics_port),
+    )
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
+            pool = dict(part.split("=", 1) for part in labels.split(","))["pool"].strip('"')
+            samples[pool] = float(value)
+    return samples
+
+
+def test_the_router_has_every_replica_in_rotation(stack: ComposeStack) -> None:
+    """With replicas, the pools file's dns:///NAME:PORT entries stand for every container of a
+    worker service: the router has them all in rotation."""
+    pools = {service.role: stack.replicas for service in PLAN if service.role}
+
+    def in_rotation() -> dict[str, float]:
+        return router_metric(stack, "kvmesh:router_workers_in_rotation")
+
+    deadline = time.monotonic() + 30
+    while in_rotation() != pools and time.monotonic() < deadline:
+        time.sleep(1)
+    assert in_rotation() == pools
+
+
+def test_the_published_gateway_answers_with_kvmesh_ups_tokens(
+    stack: ComposeStack, expected_tokens: list[list[int]]
+) -> None:
     start = time.monotonic()
-    with kvmesh.SyncClient(stack.gateway, api_key=DEMO_API_KEY) as client:
+    with kvmesh.SyncClient(stack.gateway, api_key=DEMO_API_KEY, ca_file=stack.ca_file) as client:
         results = [
             client.generate(p, max_tokens=MAX_TOKENS, cache_policy="bypass") for p in PROMPTS
         ]
     stack.stages["requests through compose"] = round(time.monotonic() - start, 1)
-    start = time.monotonic()
-    expected = kvmesh_up_tokens()
-    stack.stages["kvmesh up, same prompts"] = round(time.monotonic() - start, 1)
-    assert [r.token_ids for r in results] == expected
-    assert all(len(ids) > 0 for ids in expected)
+    assert [r.token_ids for r in results] == expected_tokens
+    assert all(len(ids) > 0 for ids in expected_tokens)
+
+
+def test_with_tls_a_client_without_the_ca_is_refused(stack: ComposeStack) -> None:
+    if stack.ca_file is None:
+        pytest.skip("the plaintext stack")
+    with (
+        kvmesh.SyncClient(stack.gateway, api_key=DEMO_API_KEY) as client,
+        pytest.raises(Exception) as raised,
+    ):
+        client.generate(PROMPTS[0], max_tokens=2, cache_policy="bypass", deadline_s=5)
+    assert "unavailable" in str(raised.value).lower()
+
+
+def probe_from(stack: ComposeStack, service: str, target: str, *flags: str) -> int:
+    """The health probe of `target` run inside `service`'s container: its exit status."""
+    command = ["podman", "exec", stack.container(service), "python", "-m", "kvmesh.healthcheck"]
+    probe = subprocess.run(
+        [*command, target, "--timeout-s", "3", *flags], env=PODMAN_ENV, capture_output=True
+    )
+    return probe.returncode
+
+
+def test_with_tls_internal_ports_take_only_a_certificate_of_the_stack(
+    stack: ComposeStack,
+) -> None:
+    """The router inside the compose network: the gateway's container reaches it with its own
+    certificate (its health check's variables); the OpenAI door's, holding only the CA, and a
+    plaintext caller do not get through the handshake."""
+    if stack.ca_file is None:
+        pytest.skip("the plaintext stack")
+    router = next(f"{s.name}:{s.port}" for s in PLAN if s.name == "router")
+    assert probe_from(stack, "gateway", router) == 0
+    ca_only = ("--tls-ca-file", "/etc/kvmesh/tls/ca.pem")
+    assert probe_from(stack, "openai", router, *ca_only) == 1
+    assert probe_from(stack, "openai", router) == 1
 
 
 def test_down_leaves_nothing_behind(stack: ComposeStack) -> None:
     start = time.monotonic()
     stack.down()
     stack.stages["down"] = round(time.monotonic() - start, 1)
-    assert not leftovers()
+    assert not stack.leftovers()

@@ -229,6 +229,9 @@ async def test_a_stream_on_a_worker_that_leaves_the_answer_finishes(
     assert await wait_until(lambda: mesh.sees("decode", {staying: True}))
     still_running = await mesh.decode.workers[leaving.split(":")[0]].stats()
     assert still_running.running > 0, "the streams ended before the worker left: no drain seen"
+    # Its channels are out of use at once, and close only once the streams on them end.
+    assert not mesh.router.peers.opened(leaving)
+    assert mesh.router.peers.closing > 0
     for call in calls:
         tokens = []
         while (event := await call.read()) is not grpc.aio.EOF:
@@ -240,6 +243,12 @@ async def test_a_stream_on_a_worker_that_leaves_the_answer_finishes(
     after = await route(mesh.stub, request("next", PROMPT))
     assert after.started.placement.decode_worker == staying
     assert await all_idle([w.stub for w in mesh.decode.workers.values()])
+
+    async def retired_channels_closed() -> bool:
+        return mesh.router.peers.closing == 0
+
+    assert await wait_until(retired_channels_closed)
+    assert not mesh.router.peers.opened(leaving)
 
 
 async def test_prefill_and_decode_of_different_revisions_are_never_paired(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shlex
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -134,7 +135,8 @@ def test_same_module_flags_and_ports(compose: dict[str, Any], service: StackServ
     spec = compose[service.name]
     assert spec["command"] == expected_command(service)
     assert spec["expose"] == [str(service.port), str(service.metrics_port)]
-    assert spec["healthcheck"]["test"] == ["CMD", *service.healthcheck()]
+    # One command line (CMD-SHELL): see docker-compose.yml's x-health.
+    assert spec["healthcheck"]["test"] == shlex.join(service.healthcheck())
     assert spec["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == OTLP_ENDPOINT
 
 
@@ -434,3 +436,32 @@ def test_the_tls_certs_step_issues_every_file_the_services_read(
         assert service.name in names.get_values_for_type(x509.DNSName)
     assert "operator" in issued
     assert compose_certificates(tmp_path) == []  # kept: a restarted stack keeps its files
+
+
+def test_the_replicas_pools_name_every_worker_service_in_the_dns_form() -> None:
+    """deploy/pools.replicas.yaml is deploy/pools.yaml with each worker as dns:///NAME:PORT,
+    which the router's discovery resolves to every replica (services/router/discovery.py)."""
+    expected = pools_document(COMPOSE_OPTIONS, plan_workers(COMPOSE_OPTIONS))
+    for tier in expected["tiers"]:
+        for role in ("prefill", "decode", "colocated"):
+            tier[role] = [f"dns:///{in_compose(address)}" for address in tier[role]]
+    replicas = yaml.safe_load((DEPLOY / "pools.replicas.yaml").read_text(encoding="utf-8"))
+    assert replicas == expected
+
+
+def test_the_replicas_override_scales_every_worker_and_mounts_those_pools(
+    compose: dict[str, Any],
+) -> None:
+    override = yaml.safe_load((DEPLOY / "compose.replicas.yaml").read_text(encoding="utf-8"))
+    services = override["services"]
+    assert set(services) == {worker.name for worker in WORKERS} | {"router"}
+    for worker in WORKERS:
+        assert services[worker.name]["deploy"]["replicas"] >= 2
+        # No host: each replica advertises its own container's IP (services/worker).
+        advertised = services[worker.name]["environment"]["KVMESH_WORKER_ADVERTISE_ADDRESS"]
+        assert advertised == f":{worker.port}"
+        assert "deploy" not in compose[worker.name]
+    assert services["router"]["volumes"] == [
+        f"./deploy/pools.replicas.yaml:{pools_path(COMPOSE_OPTIONS)}:ro"
+    ]
+    assert not list(jsonschema.Draft202012Validator(compose_spec_schema()).iter_errors(override))
