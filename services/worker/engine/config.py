@@ -77,9 +77,10 @@ class EngineConfig:
     grammar_cache_entries: int = 256
     """Compiled constraints kept per engine (least recently used dropped beyond this)."""
     large_batch_linear: str = "auto"
-    """Where the small-batch kernel runs, how the float32 projections of steps of 17-128 rows
-    run: "onednn" (oneDNN's matmul on weights reordered once into its layout: a second copy of
-    the weights in memory), "torch" (torch's transposed product), or "auto" (oneDNN where
+    """Where the small-batch kernel runs, how the float32 projections of steps of more rows
+    (larger decode batches, prefill chunks) run: "onednn" (oneDNN's matmul on weights
+    reordered once into its layout: a second copy of the weights in memory), "torch" (torch's
+    transposed product up to 128 rows, its plain product beyond), or "auto" (oneDNN where
     torch has it)."""
 
     def validate(self) -> None:

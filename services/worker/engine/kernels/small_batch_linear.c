@@ -170,6 +170,20 @@ static void swiglu_row(const float *restrict gate_up, int64_t in, float *restric
     for (int64_t k = 0; k < in; k++) out[k] = gate_up[k] / (1.f + expf(-gate_up[k])) * up[k];
 }
 
+/* out = f(x) for `rows` rows (the norm, or the SwiGLU when gated), rows split over the
+ * threads: one pass over x where torch's ops take six (RMSNorm) or two (SwiGLU). Used in
+ * front of the larger steps' matmuls, which the kernel does not compute. out [rows, in]. */
+void projection_input(const float *x, int64_t rows, int64_t x_stride, const float *norm_weight,
+                      float eps, int gated, int64_t in, float *out, int num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t m = 0; m < rows; m++) {
+        if (gated)
+            swiglu_row(x + m * x_stride, in, out + m * in);
+        else
+            rms_norm_row(x + m * x_stride, norm_weight, eps, in, out + m * in);
+    }
+}
+
 /* Returns 0, or -1 when the scratch rows for f(x) cannot be allocated. w is float32, or int8
  * when scales (bfloat16, one per output) is not NULL. */
 int small_batch_linear(const float *x, int64_t rows, int64_t x_stride, const float *norm_weight,
