@@ -37,10 +37,11 @@ MODE_FILES = {
 }
 """The variants run: as it is, with mutual TLS, with every worker service as 2 replicas."""
 REPLICAS = 2
-PLAN = plan_stack(StackOptions())
+PLAN = plan_stack(StackOptions(mode="disaggregated"))
 SERVICES = ["redis", *(service.name for service in PLAN)]
-"""What the test starts after the one-shot steps: Redis and every service of kvmesh up (the
-observability services are images from a registry, out of reach here)."""
+"""What the test starts after the one-shot steps: Redis and every service of `kvmesh up --mode
+disaggregated`, compose's split pools (the observability services are images from a registry,
+out of reach here)."""
 DEMO_API_KEY = "kvm_compose-demo-key"
 PROMPTS = ["The quick brown fox", "Paged attention stores the KV cache in"]
 MAX_TOKENS = 16
