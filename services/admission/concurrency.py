@@ -21,7 +21,7 @@ from typing import Protocol
 from redis.asyncio import Redis
 
 from services.admission import metrics
-from services.admission.failover import RETRY_S, Failover, StoreDown, redis_calls
+from services.admission.failover import Failover, Retries, StoreDown, redis_calls
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,11 @@ class SlotStore(Protocol):
 
     async def release(self, tenant: str, holder: str) -> None:
         """Gives `holder`'s slot back (nothing happens when it holds none)."""
+        ...
+
+    async def adopt(self, tenant: str, holder: str) -> None:
+        """Counts `holder`'s slot here, whatever the limit: a request already running that
+        was counted elsewhere (locally, while this store was down)."""
         ...
 
 
@@ -58,6 +63,9 @@ class MemorySlots:
     async def release(self, tenant: str, holder: str) -> None:
         _discard(self._held, tenant, holder)
 
+    async def adopt(self, tenant: str, holder: str) -> None:
+        self._held.setdefault(tenant, set()).add(holder)
+
 
 # KEYS: the tenant's sorted set. ARGV: holder, limit, lease in ms.
 _ACQUIRE = """
@@ -69,6 +77,15 @@ if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+# KEYS: the tenant's sorted set. ARGV: holder, lease in ms. Unchecked: the request runs.
+_ADOPT = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
@@ -100,6 +117,7 @@ class RedisSlots:
         self._lease_s = lease_s
         self._lease_ms = max(round(lease_s * 1000), 1)
         self._acquire = client.register_script(_ACQUIRE)
+        self._adopt = client.register_script(_ADOPT)
         self._renew = client.register_script(_RENEW)
         self._live: dict[str, set[str]] = {}
         """tenant -> holders in this gateway, whose leases it renews."""
@@ -118,6 +136,12 @@ class RedisSlots:
             self._live.setdefault(tenant, set()).add(holder)
             self._keep_renewing()
         return bool(taken)
+
+    async def adopt(self, tenant: str, holder: str) -> None:
+        with redis_calls():
+            await self._adopt(keys=[self._key(tenant)], args=[holder, self._lease_ms])
+        self._live.setdefault(tenant, set()).add(holder)
+        self._keep_renewing()
 
     async def release(self, tenant: str, holder: str) -> None:
         # Forgotten first: if the removal fails (or is cancelled), the lease is no longer
@@ -165,30 +189,37 @@ def _discard(held: dict[str, set[str]], tenant: str, holder: str) -> None:
             del held[tenant]
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, eq=False)
 class Slot:
     """One request's place among its tenant's requests in flight."""
 
     tenant: str
     holder: str
     store: SlotStore
-    """Where it was taken (the fallback while Redis was down): it is given back there."""
+    """Where it is counted (the fallback while Redis was down, until Redis adopts it): it is
+    given back there."""
 
 
 class ConcurrencyLimits:
     """Takes and gives back tenants' slots; counts locally while the shared store is down.
 
-    A release the store could not take is retried every RETRY_S until it lands or the slot's
-    lease has ended on its own: a tenant is not throttled for a whole lease after an outage."""
+    When the store answers again, the slots taken locally meanwhile are added to it before
+    anything else is asked of it, so the limit is exact across gateways at once. A release
+    the store could not take is retried every RETRY_S until it lands or the slot's lease has
+    ended on its own: a tenant is not throttled for a whole lease after an outage."""
 
     def __init__(
         self, store: SlotStore, fallback: MemorySlots | None = None, lease_s: float = 30.0
     ) -> None:
-        self._stores = Failover[SlotStore](store, fallback, role="concurrency")
+        self._store = store
+        self._fallback = fallback
+        self._stores = Failover[SlotStore](
+            store, fallback, role="concurrency", on_recovery=self._adopt_local
+        )
         self._lease_s = lease_s
-        self._unreleased: dict[Slot, float] = {}
-        """Slots whose release failed -> when their lease ends anyway (time.monotonic)."""
-        self._retrier: asyncio.Task[None] | None = None
+        self._local: set[Slot] = set()
+        """Slots counted in the fallback, held still."""
+        self._releases = Retries("slot releases")
 
     async def acquire(self, tenant: str, limit: int) -> Slot | None:
         """A slot, or None when the tenant already has `limit` requests in flight."""
@@ -197,34 +228,40 @@ class ConcurrencyLimits:
         store, taken = await self._stores.call(
             lambda s: s.try_acquire(tenant, holder, limit), default=True
         )
-        return Slot(tenant, holder, store) if taken else None
+        if not taken:
+            return None
+        slot = Slot(tenant, holder, store)
+        if store is self._fallback:
+            self._local.add(slot)
+            self._stores.probe_while(lambda: bool(self._local))
+        return slot
 
     async def release(self, slot: Slot) -> None:
         """Gives the slot back; if the store is unreachable, retried until it lands."""
+        self._local.discard(slot)
         try:
             await slot.store.release(slot.tenant, slot.holder)
         except StoreDown as error:
             self._stores.failed(error)
-            self._unreleased[slot] = time.monotonic() + self._lease_s
-            if self._retrier is None or self._retrier.done():
-                self._retrier = asyncio.ensure_future(self._retry_releases())
+            store = slot.store
+            self._releases.add(
+                lambda: store.release(slot.tenant, slot.holder),
+                until=time.monotonic() + self._lease_s,
+            )
 
-    async def _retry_releases(self) -> None:
-        while self._unreleased:
-            await asyncio.sleep(RETRY_S)
-            for slot, lease_ends in list(self._unreleased.items()):
-                if time.monotonic() >= lease_ends:
-                    del self._unreleased[slot]  # ended on its own meanwhile
-                    continue
-                try:
-                    await slot.store.release(slot.tenant, slot.holder)
-                except StoreDown:
-                    break  # still down: the next round tries again
-                del self._unreleased[slot]
-                log.info("released a slot of %s that an outage had kept", slot.tenant)
+    async def _adopt_local(self) -> None:
+        """The store is back: the slots counted locally meanwhile move into it."""
+        assert self._fallback is not None  # only a fallback counts locally
+        for slot in list(self._local):
+            await self._store.adopt(slot.tenant, slot.holder)  # StoreDown: still down
+            if slot not in self._local:  # released while it was being adopted
+                await self._store.release(slot.tenant, slot.holder)
+                continue
+            slot.store = self._store
+            self._local.discard(slot)
+            await self._fallback.release(slot.tenant, slot.holder)
 
     async def close(self) -> None:
         """Stops retrying releases (their leases end on their own)."""
-        if self._retrier is not None:
-            self._retrier.cancel()
-            await asyncio.gather(self._retrier, return_exceptions=True)
+        await self._releases.close()
+        await self._stores.close()

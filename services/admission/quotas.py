@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 
 from kvmesh.errors import InvalidArgument, QuotaViolation, ResourceExhausted
 from kvmesh.tenants import Tenant
-from services.admission.failover import Failover, StoreDown, redis_calls
+from services.admission.failover import Failover, Retries, StoreDown, redis_calls
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,10 @@ class MemoryCounters:
         index, used = self._counts.get((tenant, window.kind), (window.index, 0))
         if index == window.index:  # a window that has passed meanwhile counts no more
             self._counts[(tenant, window.kind)] = (index, used + tokens)
+
+    def holds_counts(self) -> bool:
+        """Some tokens are counted here."""
+        return any(used for _, used in self._counts.values())
 
     def drain(self) -> list[tuple[str, Window, int]]:
         """Every count kept here as (tenant, window, tokens), forgotten here."""
@@ -240,25 +244,28 @@ class Quotas:
         self._clock = clock
         self._local: dict[int, Reservation] = {}
         """Reservations counted in the fallback and not settled yet, by id()."""
+        self._settles = Retries("budget settles")
 
     async def _merge_local(self) -> None:
         """The store answers again: what was counted locally meanwhile is added to it (a
         Redis that came back empty then still holds the outage's usage), and reservations
-        made meanwhile settle against it."""
+        made meanwhile settle against it. A StoreDown on the way keeps what is not merged
+        yet for the next recovery: nothing is counted twice or lost."""
         if self._fallback is None or not isinstance(self._store, RedisCounters):
             return
         counts = self._fallback.drain()
-        for reservation in self._local.values():
-            reservation.store = self._store
-        self._local.clear()
+        merged = 0
         try:
             for tenant, window, tokens in counts:
                 await self._store.add(tenant, window, tokens)
-        except StoreDown as error:
-            self._stores.failed(error)  # counted again at the next recovery: none is lost
-            for tenant, window, tokens in counts:
+                merged += 1
+        except StoreDown:
+            for tenant, window, tokens in counts[merged:]:
                 self._fallback.merge(tenant, window, tokens)
-            return
+            raise
+        for reservation in self._local.values():
+            reservation.store = self._store
+        self._local.clear()
         log.info("merged %d tokens counted during the outage", sum(c[2] for c in counts))
 
     async def reserve(self, tenant: Tenant, tokens: int) -> Reservation:
@@ -281,7 +288,12 @@ class Quotas:
         reservation = Reservation(tenant.name, tokens, windows, store)
         if store is self._fallback:
             self._local[id(reservation)] = reservation
+            # The counts made meanwhile reach the store when it returns, requests or not.
+            self._stores.probe_while(lambda: bool(self._local) or self._fallback_counts())
         return reservation
+
+    def _fallback_counts(self) -> bool:
+        return self._fallback is not None and self._fallback.holds_counts()
 
     async def settle(self, reservation: Reservation, used_tokens: int) -> None:
         """Replaces the reserved amount with `used_tokens` (idempotent: only the first counts)."""
@@ -292,16 +304,27 @@ class Quotas:
         delta = used_tokens - reservation.tokens
         if delta == 0:
             return
+        store, tenant, windows = reservation.store, reservation.tenant, reservation.windows
         try:
-            await reservation.store.adjust(reservation.tenant, reservation.windows, delta)
+            await store.adjust(tenant, windows, delta)
         except StoreDown as error:
-            # The reservation stays counted until its window expires: errs toward the limit.
-            # Logged once per outage, with the outage.
+            # Retried until it lands or its last window has ended (the reservation counts
+            # meanwhile: errs toward the limit). Logged once per outage, with the outage.
             self._stores.failed(error)
+            ends_in = max(w.retry_after_s(self._clock()) for w in windows)
+            self._settles.add(
+                lambda: store.adjust(tenant, windows, delta),
+                until=time.monotonic() + ends_in,
+            )
 
     async def release(self, reservation: Reservation) -> None:
         """Gives the whole reservation back (the request never ran)."""
         await self.settle(reservation, 0)
+
+    async def close(self) -> None:
+        """Stops retrying settles (what is pending ends with its window) and probing."""
+        await self._settles.close()
+        await self._stores.close()
 
     async def used(self, tenant: Tenant) -> tuple[int, int]:
         """Tokens counted this minute and today."""

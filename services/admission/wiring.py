@@ -68,12 +68,9 @@ def tenant_books(config: AdmissionConfig, hooks: list[StopHook]) -> TenantBooks:
     )
     slots = RedisSlots(redis, config.redis_prefix, config.concurrency_lease_s)
     limits = ConcurrencyLimits(slots, fallback=MemorySlots(), lease_s=config.concurrency_lease_s)
-    hooks += [limits.close, slots.close, redis.aclose]
-    return TenantBooks(
-        Quotas(RedisCounters(redis, config.redis_prefix), fallback=MemoryCounters()),
-        limits,
-        RedisMeter(redis, config.redis_prefix),
-    )
+    quotas = Quotas(RedisCounters(redis, config.redis_prefix), fallback=MemoryCounters())
+    hooks += [quotas.close, limits.close, slots.close, redis.aclose]
+    return TenantBooks(quotas, limits, RedisMeter(redis, config.redis_prefix))
 
 
 def admission_queue(config: AdmissionConfig) -> AdmissionQueue:

@@ -138,3 +138,62 @@ async def test_counts_made_during_an_outage_are_merged_into_the_redis_that_retur
     await within(1.0, merged)
     await quotas.settle(open_reservation, 100)
     assert await quotas.used(ACME) == (400, 400)
+
+
+async def test_a_budget_settle_during_a_hang_lands_within_a_second_of_its_end(
+    private_redis: tuple[PrivateRedis, Redis],
+) -> None:
+    """A request that reserved 1,000 tokens and used 100 settles while Redis hangs: the
+    settle is retried, so Redis counts 100 within a second of answering again (before: the
+    1,000 stayed counted until the day's window ended)."""
+    server, client = private_redis
+    now = (time.time() // 60) * 60 + 30
+    quotas = Quotas(RedisCounters(client, PREFIX), fallback=MemoryCounters(), clock=lambda: now)
+    try:
+        reservation = await quotas.reserve(ACME, 1000)
+        server.signal(signal.SIGSTOP)
+        await quotas.settle(reservation, 100)  # fails: Redis does not answer
+        await asyncio.sleep(1.0)
+        server.signal(signal.SIGCONT)
+
+        async def settled() -> bool:
+            """Redis counts the 100 tokens used, not the 1,000 reserved"""
+            raw = await client.get(f"{PREFIX}quota:{{acme}}:day:{int(now // 86_400)}")
+            return raw is not None and int(raw) == 100
+
+        await within(1.0, settled)
+    finally:
+        await quotas.close()
+
+
+async def test_slots_taken_during_an_outage_count_in_redis_within_a_second_of_its_end(
+    private_redis: tuple[PrivateRedis, Redis],
+) -> None:
+    """A request admitted while Redis hangs holds a slot counted by its gateway alone; once
+    Redis answers the slot is added to it within a second, without waiting for another
+    request, so a second gateway then finds one of the tenant's two slots left (before: two)."""
+    server, client = private_redis
+    key = f"{PREFIX}slots:{{acme}}"
+    first_slots, second_slots = (RedisSlots(client, PREFIX, lease_s=30.0) for _ in range(2))
+    first = ConcurrencyLimits(first_slots, fallback=MemorySlots())
+    second = ConcurrencyLimits(second_slots, fallback=MemorySlots())
+    try:
+        server.signal(signal.SIGSTOP)
+        running = await first.acquire("acme", 2)
+        assert running is not None and running.store is not first_slots  # counted locally
+        await asyncio.sleep(0.5)
+        server.signal(signal.SIGCONT)
+
+        async def adopted() -> bool:
+            """the slot taken during the outage is in Redis"""
+            return await client.zcard(key) == 1
+
+        await within(1.0, adopted)
+        assert await second.acquire("acme", 2) is not None
+        assert await second.acquire("acme", 2) is None  # the limit holds across gateways
+        await first.release(running)  # given back where it is counted now: Redis
+        assert await client.zcard(key) == 1
+        assert await second.acquire("acme", 2) is not None
+    finally:
+        for closing in (first, second, first_slots, second_slots):
+            await closing.close()

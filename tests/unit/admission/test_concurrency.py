@@ -17,6 +17,9 @@ class DownSlots:
     async def release(self, tenant: str, holder: str) -> None:
         raise StoreDown("connection refused")
 
+    async def adopt(self, tenant: str, holder: str) -> None:
+        raise StoreDown("connection refused")
+
 
 async def test_slots_up_to_the_limit_per_tenant() -> None:
     limits = ConcurrencyLimits(MemorySlots())
@@ -37,6 +40,7 @@ async def test_a_store_down_counts_on_the_fallback_and_gives_back_there() -> Non
     assert await limits.acquire("acme", 1) is None
     await limits.release(slot)
     assert await limits.acquire("acme", 1) is not None
+    await limits.close()
 
 
 async def test_without_a_fallback_a_store_down_admits_and_release_does_not_raise() -> None:
