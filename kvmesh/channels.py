@@ -17,6 +17,8 @@ under 1 MiB)."""
 
 KEEPALIVE_TIME_MS = 10_000
 """How often channels ping their peer."""
+PING_TIMEOUT_MS = 5_000
+"""How long a channel waits for a ping's answer before it gives the connection up."""
 
 SERVER_KEEPALIVE_OPTIONS: list[tuple[str, int]] = [
     # Pings from callers at KEEPALIVE_TIME_MS are welcome, with or without calls or data
@@ -31,11 +33,13 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # Fail fast on a dead or frozen peer instead of waiting for TCP timeouts: a ping every
     # 10 s that must be answered within 5 s, also on a connection with no call (permit) and
-    # while a call sends no data (grpc stops pinging after 2 such pings by default, which
-    # left a frozen worker's calls hanging about 60 s). Servers accept this rate
-    # (SERVER_KEEPALIVE_OPTIONS).
+    # while a call sends no data (grpc stops pinging after 2 such pings by default). grpc
+    # 1.85 times every ping out by grpc.http2.ping_timeout_ms (default 60 s), keepalive's
+    # included, whatever keepalive_timeout_ms says: without it a frozen peer's calls hung
+    # 60 s and more. Servers accept this rate (SERVER_KEEPALIVE_OPTIONS).
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 200),

@@ -77,7 +77,13 @@ def build_router(config: RouterConfig) -> Router:
         registry, peers, config.refresh_interval_s, config.check_timeout_s, scaling
     )
     orchestrator = Orchestrator(
-        registry, GrpcWorkers(peers), monitor, config.load_cost_tokens, config.lease_ttl_ms
+        registry,
+        GrpcWorkers(peers),
+        monitor,
+        config.load_cost_tokens,
+        config.lease_ttl_ms,
+        stall_steps=config.stall_steps,
+        stall_floor_s=config.stall_floor_s,
     )
     servicer = RouterServicer(registry, orchestrator, monitor)
     resolver = DnsResolver(config.dns_server, config.check_timeout_s)

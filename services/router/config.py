@@ -35,6 +35,12 @@ class RouterConfig(ServerConfig):
     """Fraction of a worker's measured tokens/s the scaling signal plans for."""
     lease_ttl_ms: int = 0
     """KV lease TTL the router asks prefill workers for; 0 takes each worker's default."""
+    stall_steps: float = 50.0
+    """A stream whose decoding worker sends nothing for this many of its measured step times
+    (and at least --stall-floor-s) has a stalled worker: it is failed over under the failure
+    rules (after the first token: UNAVAILABLE with the usage so far)."""
+    stall_floor_s: float = 2.0
+    """The shortest silence that counts as a stalled worker."""
     dns_interval_s: float = 2.0
     """How often the pools file's dns:///NAME:PORT entries are resolved again (workers join
     and leave as the name's addresses change)."""
@@ -47,5 +53,7 @@ class RouterConfig(ServerConfig):
             raise ValueError(
                 "refresh_interval_s, check_timeout_s and dns_interval_s must be positive"
             )
+        if self.stall_steps <= 0 or self.stall_floor_s <= 0:
+            raise ValueError("stall_steps and stall_floor_s must be positive")
         if self.load_cost_tokens < 0 or self.lease_ttl_ms < 0:
             raise ValueError("load_cost_tokens and lease_ttl_ms must be >= 0")

@@ -78,6 +78,9 @@ class _Attempt:
     handed_off: bool = False
     """The decode worker confirmed the KV import: it owns the lease, and the request's fate."""
     cached_prompt_tokens: int = 0
+    decoding: str | None = None
+    """The address of the worker decoding the attempt's tokens, once it sent one: from then
+    on a gap of many of its step times means it stalled."""
 
     @property
     def resumable(self) -> bool:
@@ -112,6 +115,10 @@ class Orchestrator:
     lease_ttl_ms: int = 0
     rates: RateBook = field(default_factory=RateBook)
     """What the attempts measure of each worker's speed (ListModels reports it)."""
+    stall_steps: float = 50.0
+    """A decoding stream quiet for this many of its worker's measured step times ..."""
+    stall_floor_s: float = 2.0
+    """... and at least this long has a stalled worker."""
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _policies: dict[str, PlacementPolicy] = field(init=False)
     _request_ids: set[str] = field(default_factory=set)
@@ -346,25 +353,47 @@ class Orchestrator:
         events: Coalescer[common_pb2.GenerateEvent],
     ) -> list[common_pb2.GenerateEvent] | None:
         """The attempt's next events; None once the caller cancelled. Unavailable when one of
-        its workers leaves the rotation meanwhile: a frozen worker (stopped, not dead) would
-        otherwise hold its calls until HTTP/2 keepalive gives up on the connection."""
-        stop = asyncio.Event()
+        its workers leaves the rotation meanwhile (a frozen worker, stopped, not dead, would
+        otherwise hold its calls until HTTP/2 keepalive gives up on the connection), or when
+        its decoding worker sends nothing for many of its measured step times (stalled while
+        its health checks pass)."""
+        stop, stalled = asyncio.Event(), asyncio.Event()
         watches = [
             asyncio.ensure_future(_set_when(waited, stop))
             for waited in (
                 job.cancelled,
+                stalled,
                 *(self.registry.departure(w.address) for w in attempt.plan.workers),
             )
         ]
+        bound = self._progress_bound(attempt)
+        if bound is not None:
+            watches.append(asyncio.ensure_future(_set_after(bound, stalled)))
         try:
             batch = await run_unless_cancelled(anext(events, None), stop)
         finally:
             for watch in watches:
                 watch.cancel()
         if stop.is_set() and batch is None and not job.cancelled.is_set():
+            if stalled.is_set():
+                raise Unavailable(
+                    f"{attempt.decoding} sent nothing for {bound:.1f}s, "
+                    f"{self.stall_steps:g} of its measured step times (stalled)"
+                )
             gone = [w.address for w in attempt.plan.workers if not w.in_rotation]
             raise Unavailable(f"{', '.join(gone)} left the rotation (stopped answering)")
         return batch
+
+    def _progress_bound(self, attempt: _Attempt) -> float | None:
+        """How long the attempt's decoding worker may send nothing (None: not decoding yet,
+        or its step time never measured): a worker that stalls without leaving the rotation
+        (its health checks still pass) is found within this."""
+        if attempt.decoding is None:
+            return None
+        step_s = self.rates.step_s(attempt.decoding)
+        if step_s is None:
+            return None
+        return max(self.stall_floor_s, self.stall_steps * step_s)
 
     async def _attempt_events(
         self,
@@ -407,6 +436,7 @@ class Orchestrator:
         started = last = time.monotonic()
         chunks = 0
         decoded_from = 1 if plan.decode is None or attempt.first_token is not None else 2
+        decoder = (plan.decode or plan.prefill).address
         async for event in events:
             if event.WhichOneof("event") == "chunk" and event.chunk.token_ids:
                 now = time.monotonic()
@@ -414,10 +444,11 @@ class Orchestrator:
                     uncached = len(request.prompt_token_ids) - attempt.cached_prompt_tokens
                     self.rates.observe_prefill(plan.prefill.address, uncached, now - started)
                 elif chunks >= decoded_from:
-                    decoder = plan.decode or plan.prefill
-                    self.rates.observe_gap(decoder.address, len(event.chunk.token_ids), now - last)
+                    self.rates.observe_gap(decoder, len(event.chunk.token_ids), now - last)
                 chunks += 1
                 last = now
+                if chunks >= decoded_from:
+                    attempt.decoding = decoder  # the next gap is a decode step
             yield event
 
     async def _split(
@@ -547,6 +578,11 @@ class Orchestrator:
 
 async def _set_when(waited: asyncio.Event, then: asyncio.Event) -> None:
     await waited.wait()
+    then.set()
+
+
+async def _set_after(seconds: float, then: asyncio.Event) -> None:
+    await asyncio.sleep(seconds)
     then.set()
 
 

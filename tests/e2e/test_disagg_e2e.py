@@ -9,71 +9,19 @@ import re
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-import yaml
 
-from kvmesh.telemetry import TRACE_FILE_ENV
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.procs import ServiceProcess, start_service
-from tests.service.worker_mesh import GREEDY, all_idle, offline, request, route, worker_args
+from tests.e2e.split_stack import LEASE_TTL_S, Stack
+from tests.procs import ServiceProcess
+from tests.service.worker_mesh import GREEDY, all_idle, offline, request, route
 
 PROMPT = list(range(20, 220))  # 200 tokens: 13 blocks, about 106 kB of KV
-KV_SEND_MB_S = "0.1"  # each prefill worker sends KV at 100 kB/s: a pull lasts about a second
-LEASE_TTL_S = "1"
 SENT = re.compile(r'^kvmesh:kv_transfer_bytes_total\{direction="sent"\} (\S+)$', re.MULTILINE)
-
-
-@dataclass
-class Stack:
-    prefill: list[ServiceProcess]
-    decode: ServiceProcess
-    router: ServiceProcess
-    trace_file: Path
-    """The router's spans, one JSON object per line."""
-
-    def all(self) -> list[ServiceProcess]:
-        return [*self.prefill, self.decode, self.router]
-
-
-@pytest.fixture(scope="module")
-def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    prefill_args = worker_args(tiny_llama_dir, "prefill", "--kv-send-max-mb-s", KV_SEND_MB_S)
-    prefill_args += ["--lease-ttl-s", LEASE_TTL_S, "--metrics-port", "0"]
-    plans = [prefill_args, prefill_args, worker_args(tiny_llama_dir, "decode")]
-    with ThreadPoolExecutor(len(plans)) as pool:
-        workers = list(pool.map(lambda args: start_service("services.worker", args), plans))
-    pools = tmp_path_factory.mktemp("router") / "pools.yaml"
-    pools.write_text(
-        yaml.safe_dump(
-            {
-                "tiers": [
-                    {
-                        "name": "tiny",
-                        "prefill": [w.address for w in workers[:2]],
-                        "decode": [workers[2].address],
-                    }
-                ]
-            }
-        )
-    )
-    trace_file = pools.parent / "router-spans.jsonl"
-    router_args = ["--config", str(pools), "--port", "0", "--metrics-port", "-1"]
-    router = start_service(
-        "services.router",
-        [*router_args, "--refresh-interval-s", "0.2"],
-        env={TRACE_FILE_ENV: str(trace_file)},
-    )
-    started = Stack(workers[:2], workers[2], router, trace_file)
-    yield started
-    for process in started.all():
-        process.terminate()
 
 
 def _bytes_sent(process: ServiceProcess) -> float:

@@ -272,3 +272,58 @@ async def test_a_cancel_during_the_hand_off_aborts_with_the_first_token_counted(
     await asyncio.sleep(0.01)
     (call,) = workers.decode_calls
     assert call.cancelled and workers.released == ["lease-1"]
+
+
+def ticking(seconds: float) -> asyncio.Event:
+    """A Decode step that waits `seconds` (a worker taking its time for the next token)."""
+    event = asyncio.Event()
+    asyncio.get_running_loop().call_later(seconds, event.set)
+    return event
+
+
+def stall_bounded(workers: FakeWorkers, step_s: float) -> Orchestrator:
+    """An orchestrator that measured DECODE's step at `step_s` and calls a stream quiet for
+    10 such steps (at least 0.1 s) stalled."""
+    built = orchestrator(workers)
+    built.stall_steps, built.stall_floor_s = 10, 0.1
+    built.rates.observe_gap(DECODE, 1, step_s)
+    return built
+
+
+async def test_a_decode_worker_that_stops_sending_is_failed_with_the_usage_so_far() -> None:
+    """Its health checks still pass (it never leaves the rotation), yet the stream fails
+    within 10 of its 20 ms steps, after the first token: UNAVAILABLE with the usage."""
+    workers = FakeWorkers(
+        asyncio.get_running_loop().create_future(),
+        [ECHO, chunk(8), chunk(9), asyncio.Event()],  # then nothing, ever
+    )
+    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    with pytest.raises(Unavailable) as raised:
+        await asyncio.wait_for(run(stall_bounded(workers, 0.02)), 5)
+    message = str(raised.value)
+    assert f"{DECODE} sent nothing for" in message and "stalled" in message
+    assert "completion_tokens=3" in message
+    (call,) = workers.decode_calls
+    assert call.cancelled
+
+
+async def test_a_slow_decode_that_keeps_sending_is_not_cut() -> None:
+    workers = FakeWorkers(
+        asyncio.get_running_loop().create_future(),
+        [ECHO, ticking(0.05), chunk(8), ticking(0.05), chunk(9), LENGTH],
+    )
+    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    events = await run(stall_bounded(workers, 0.02))  # 50 ms gaps, within 10 steps (0.2 s)
+    assert tokens(events) == [7, 8, 9]
+    assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_the_kv_hand_off_is_not_held_to_the_step_bound() -> None:
+    """The gap from the first token to the first decoded one holds the KV pull: longer than
+    10 steps here, and still not a stall."""
+    workers = FakeWorkers(
+        asyncio.get_running_loop().create_future(), [ticking(0.4), ECHO, chunk(8), LENGTH]
+    )
+    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    events = await run(stall_bounded(workers, 0.02))
+    assert tokens(events) == [7, 8]
