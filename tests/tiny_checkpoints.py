@@ -142,8 +142,9 @@ def write_tiny_gguf(family: TinyFamily, folder: Path, out: Path) -> Path:
     return out
 
 
-def write_gguf_tokenizer(writer: Any, folder: Path) -> None:
-    """The folder's byte-level BPE as GGUF tokenizer.ggml.* metadata."""
+def write_gguf_tokenizer(writer: Any, folder: Path, pre: str = "gpt2") -> None:
+    """The folder's byte-level BPE as GGUF tokenizer.ggml.* metadata, with llama.cpp's
+    pre-tokenizer name `pre` (the folder's own split is "gpt2": ByteLevel's regex)."""
     tokenizer = json.loads((folder / "tokenizer.json").read_text())
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     vocab: dict[str, int] = dict(tokenizer["model"]["vocab"])
@@ -155,7 +156,7 @@ def write_gguf_tokenizer(writer: Any, folder: Path) -> None:
     ]
     control, normal = 3, 1  # llama.cpp's token types
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")  # ByteLevel's own regex split
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([control if token in special else normal for token in tokens])
     writer.add_token_merges(merges)

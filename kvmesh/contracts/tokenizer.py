@@ -33,6 +33,14 @@ LLAMA3_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe")
+# Qwen2's (and Qwen2.5's, Qwen3's): Llama 3's split with single digits.
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_PRE = ("qwen2",)
+# Pre-tokenizers that split the text by one regex, then byte-encode each piece.
+SPLIT_PATTERNS = dict.fromkeys(LLAMA3_PRE, LLAMA3_PATTERN) | dict.fromkeys(QWEN2_PRE, QWEN2_PATTERN)
 
 # How many prompt tokens the detokenizer decodes with the first output tokens, so tokenizers
 # that drop a leading space at the start of a decode don't drop it from the output.
@@ -284,10 +292,10 @@ def _gguf_pre_tokenizer(pre: str, source: str) -> pre_tokenizers.PreTokenizer:
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
             ]
         )
-    if pre in LLAMA3_PRE:
+    if (pattern := SPLIT_PATTERNS.get(pre)) is not None:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )

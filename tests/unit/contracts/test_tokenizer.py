@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
 from kvmesh.contracts.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.tiny_checkpoints import TINY_CORPUS, write_gguf_tokenizer
 
 # Characters the tiny tokenizer never saw in training: each is several byte-level tokens.
 MULTIBYTE_TEXT = "Hi 龍が好き 🦄🍕 naïve — ok 東京 🚀!"
@@ -130,3 +133,36 @@ def test_no_token_stands_for_more_text_than_max_token_chars(
         len(tiny_tokenizer.decode([i], skip_special_tokens=False)) <= tiny_tokenizer.max_token_chars
         for i in set(ids)
     )
+
+
+def test_gguf_qwen2_pre_tokenizer_splits_as_transformers_qwen2_tokenizer(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """A GGUF tokenizer named "qwen2" (llama.cpp's name for Qwen2/2.5/3's split: single digits)
+    encodes as transformers' Qwen2Tokenizer over the same vocabulary and merges."""
+    import gguf
+    from transformers import Qwen2Tokenizer
+
+    path = tmp_path / "tokenizer.gguf"
+    writer = gguf.GGUFWriter(path, "qwen2")
+    write_gguf_tokenizer(writer, tiny_llama_dir, pre="qwen2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = Tokenizer.from_model_path(str(path))
+    bpe = json.loads((tiny_llama_dir / "tokenizer.json").read_text())["model"]
+    # Pairs, as tokenizers' BPE takes them (the annotation says strings).
+    merges: Any = [tuple(pair) for pair in bpe["merges"]]
+    reference = Qwen2Tokenizer(vocab=bpe["vocab"], merges=merges)
+    texts = [*TINY_CORPUS, "In 2024, 12345 people said: it's 3.14!\n\n  Two   spaces\tand a tab."]
+    for text in texts:
+        assert ours.encode(text) == reference.encode(text, add_special_tokens=False), text
+    # The split itself (the tiny vocabulary merges no digits): one piece per digit, where the
+    # folder's GPT-2 split keeps the number whole.
+    folder = Tokenizer.from_model_path(str(tiny_llama_dir))
+    assert [len(pieces(tokenizer, "12345")) for tokenizer in (ours, folder)] == [5, 1]
+
+
+def pieces(tokenizer: Tokenizer, text: str) -> list[str]:
+    return [piece for piece, _ in tokenizer.backend.pre_tokenizer.pre_tokenize_str(text)]
