@@ -1,0 +1,502 @@
+"""Overload: goodput, shedding and TTFT from 0.5x to 4x capacity, old admission vs new.
+
+    flock -x /tmp/kvmesh-cpu.lock .venv/bin/python -m bench.overload [--quick]
+
+One `kvmesh up` stack (its default mode, the default model; colocated: one worker) and,
+beside its gateway (the new admission: adaptive concurrency limit, shedding by the workers'
+measured service time), a second gateway on the same router with `--no-adaptive-admission`
+(the old admission: fixed `--max-in-flight` 64, shed only when the queue wait alone exceeds a
+deadline). Capacity is measured first: requests completed per second with `--capacity-clients`
+clients sending back to back through the old gateway. Then each gateway gets Poisson arrivals
+at each multiple of that capacity (`--loads`), half interactive with a 10 s deadline, half
+batch with 30 s, each run drained to its last answer. A request counts toward goodput when
+its answer is whole (stop or length) within its deadline; refused ones (RESOURCE_EXHAUSTED)
+are timed from send to refusal and their RetryInfo kept. Goals at 3x: goodput >= 0.8x the
+capacity, interactive p99 TTFT within 10 s, every refusal under 50 ms.
+
+Every timed region records the load average and the CPU other processes used meanwhile.
+Writes bench/results/overload.json, bench/results/overload.png and the "Overload" section of
+BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from bench.mesh import quiet, running_stack
+from bench.peers import machine, timed_region
+from bench.report import (
+    RESULTS,
+    repeat_command,
+    save_figure,
+    with_quick_defaults,
+    write_results,
+    write_section,
+)
+from kvmesh.bench_report import percentile
+from kvmesh.client import gateway_channel
+from kvmesh.loadgen import WORDS
+from kvmesh.rpc_status import error_from_rpc
+from kvmesh.stack import StackOptions, StackService
+from kvmesh.supervisor import Supervisor
+from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+HEADING = "## Overload"
+# Far from `kvmesh up`'s default ports and from the other benchmarks' offsets.
+PORT_OFFSET = 1300
+FIXED_GATEWAY_PORT = 50051 + PORT_OFFSET + 50
+DEADLINE_S = {"interactive": 10.0, "batch": 30.0}
+PRIORITY = {"interactive": common_pb2.PRIORITY_INTERACTIVE, "batch": common_pb2.PRIORITY_BATCH}
+GOAL_LOAD = 3.0
+GOODPUT_GOAL = 0.8
+REFUSAL_GOAL_MS = 50.0
+WHOLE = ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
+WORKERS = {"colocated": "one colocated worker", "disaggregated": "one prefill, one decode worker"}
+MODES = ("old", "new")
+"""old: --no-adaptive-admission; new: the default admission."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request as its client saw it."""
+
+    kind: str
+    """interactive or batch."""
+    sent_s: float
+    """When it was sent, from the start of its run."""
+    ttft_s: float | None = None
+    e2e_s: float = 0.0
+    finish: str = ""
+    """The finish reason, or the gRPC status name of a failed call."""
+    retry_after_s: float | None = None
+
+    @property
+    def refused(self) -> bool:
+        return self.finish == "RESOURCE_EXHAUSTED"
+
+    @property
+    def in_time(self) -> bool:
+        return self.finish in WHOLE and self.e2e_s <= DEADLINE_S[self.kind]
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def request(rng: random.Random, kind: str, index: int, args: argparse.Namespace) -> Any:
+    return gateway_pb2.GenerateRequest(
+        request_id=f"overload-{index}-{rng.getrandbits(32):08x}",
+        prompt=common_pb2.Prompt(text=prompt(rng, args.prompt_words)),
+        sampling=common_pb2.SamplingParams(
+            max_tokens=args.output_tokens, temperature=0.0, ignore_eos=True
+        ),
+        priority=PRIORITY[kind],
+        cache_policy=common_pb2.CACHE_POLICY_BYPASS,
+    )
+
+
+async def send(stub: gateway_pb2_grpc.GatewayStub, message: Any, kind: str, zero: float) -> Outcome:
+    """One request, timed from its send; a refusal's RetryInfo kept."""
+    sent = time.perf_counter()
+    outcome = Outcome(kind, sent - zero)
+    call = stub.Generate(timeout=DEADLINE_S[kind])
+    try:
+        await call.write(gateway_pb2.GenerateClientMessage(request=message))
+        await call.done_writing()
+        async for event in call:
+            which = event.WhichOneof("event")
+            if which == "chunk" and event.chunk.token_ids and outcome.ttft_s is None:
+                outcome.ttft_s = time.perf_counter() - sent
+            elif which == "finished":
+                outcome.finish = common_pb2.FinishReason.Name(event.finished.finish_reason)
+    except grpc.aio.AioRpcError as error:
+        outcome.finish = error.code().name
+        outcome.retry_after_s = error_from_rpc(error).retry_after_s
+    outcome.e2e_s = time.perf_counter() - sent
+    return outcome
+
+
+async def closed_loop(
+    gateway: str, clients: int, seconds: float, args: argparse.Namespace, progress: Progress
+) -> dict[str, Any]:
+    """Capacity: `clients` clients back to back for `seconds`; whole answers per second,
+    counted after the first third (at most 5 s), once every client has its request in."""
+    task = progress.add_task(f"capacity, {clients} clients", total=None)
+    done: list[Outcome] = []
+    ramp_s = min(5.0, seconds / 3)
+    async with gateway_channel(gateway, None) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        zero = time.perf_counter()
+        stop = zero + seconds
+
+        async def client(number: int) -> None:
+            rng = random.Random(number)
+            index = 0
+            while time.perf_counter() < stop:
+                kind = "interactive" if index % 2 == 0 else "batch"
+                outcome = await send(stub, request(rng, kind, index, args), kind, zero)
+                index += 1
+                ended = time.perf_counter()
+                if outcome.finish in WHOLE and zero + ramp_s <= ended <= stop:
+                    done.append(outcome)
+                    progress.advance(task)
+
+        with timed_region() as region:
+            await asyncio.gather(*(client(n) for n in range(clients)))
+    progress.remove_task(task)
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "counted_from_s": ramp_s,
+        "completed": len(done),
+        "requests_per_s": len(done) / (seconds - ramp_s),
+        "region": asdict(region),
+    }
+
+
+async def open_loop(
+    gateway: str,
+    rate: float,
+    seconds: float,
+    seed: int,
+    args: argparse.Namespace,
+    on_done: Callable[[], None],
+) -> list[Outcome]:
+    """Poisson arrivals at `rate` for `seconds` (half interactive, half batch), drained."""
+    rng = random.Random(seed)
+    async with gateway_channel(gateway, None) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        zero = time.perf_counter()
+        tasks: list[asyncio.Task[Outcome]] = []
+        at = 0.0
+        index = 0
+        while True:
+            at += rng.expovariate(rate)
+            if at >= seconds:
+                break
+            await asyncio.sleep(max(0.0, zero + at - time.perf_counter()))
+            kind = "interactive" if rng.random() < 0.5 else "batch"
+            task = asyncio.create_task(send(stub, request(rng, kind, index, args), kind, zero))
+            task.add_done_callback(lambda _: on_done())
+            tasks.append(task)
+            index += 1
+        return list(await asyncio.gather(*tasks))
+
+
+def p99_ms(values: Sequence[float]) -> float:
+    return percentile(values, 99) * 1000 if values else math.nan
+
+
+def p50_ms(values: Sequence[float]) -> float:
+    return percentile(values, 50) * 1000 if values else math.nan
+
+
+def summary(outcomes: Sequence[Outcome], seconds: float, capacity: float) -> dict[str, Any]:
+    """The figures of one run."""
+    refused = [o for o in outcomes if o.refused]
+    in_time = [o for o in outcomes if o.in_time]
+    finishes: dict[str, int] = {}
+    for outcome in outcomes:
+        finishes[outcome.finish] = finishes.get(outcome.finish, 0) + 1
+    retry = [o.retry_after_s for o in refused if o.retry_after_s is not None]
+    figures: dict[str, Any] = {
+        "sent": len(outcomes),
+        "offered_per_s": len(outcomes) / seconds,
+        "in_deadline": len(in_time),
+        "goodput_per_s": len(in_time) / seconds,
+        "goodput_vs_capacity": len(in_time) / seconds / capacity,
+        "shed": len(refused),
+        "shed_rate": len(refused) / len(outcomes) if outcomes else math.nan,
+        "refusal_p50_ms": percentile([o.e2e_s for o in refused], 50) * 1000
+        if refused
+        else math.nan,
+        "refusal_p99_ms": p99_ms([o.e2e_s for o in refused]),
+        "refusal_max_ms": max((o.e2e_s for o in refused), default=math.nan) * 1000,
+        "refusals_with_retry_info": len(retry),
+        "retry_after_p50_s": percentile(retry, 50) if retry else math.nan,
+        "retry_after_max_s": max(retry, default=math.nan),
+        "finishes": finishes,
+    }
+    for kind in DEADLINE_S:
+        ttfts = [o.ttft_s for o in outcomes if o.kind == kind and o.ttft_s is not None]
+        mine = [o for o in outcomes if o.kind == kind]
+        figures[f"{kind}_sent"] = len(mine)
+        figures[f"{kind}_in_deadline"] = sum(o.in_time for o in mine)
+        figures[f"{kind}_ttft_p99_ms"] = p99_ms(ttfts)
+        figures[f"{kind}_ttft_p50_ms"] = p50_ms(ttfts)
+    return figures
+
+
+@contextlib.asynccontextmanager
+async def fixed_gateway(services: list[StackService]) -> AsyncIterator[str]:
+    """A second gateway on the stack's router with the old admission; yields its address."""
+    gateway = next(s for s in services if s.name == "gateway")
+    args = list(gateway.args)
+    args[args.index("--port") + 1] = str(FIXED_GATEWAY_PORT)
+    args[args.index("--metrics-port") + 1] = "-1"
+    old = dataclasses.replace(
+        gateway,
+        name="gateway-old",
+        args=(*args, "--no-adaptive-admission"),
+        port=FIXED_GATEWAY_PORT,
+        metrics_port=-1,
+    )
+    supervisor = Supervisor(printer=quiet)
+    try:
+        child = await supervisor.spawn(old)
+        await supervisor.wait_ready([child])
+        yield old.address
+    finally:
+        await supervisor.stop_all()
+
+
+def run_seconds(load: float, args: argparse.Namespace) -> float:
+    return args.goal_seconds if load == GOAL_LOAD else args.seconds
+
+
+async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    report: dict[str, Any] = {"machine": machine(), "runs": []}
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
+        starting = progress.add_task("starting the stack", total=None)
+        stack = running_stack(args, PORT_OFFSET, mode=args.mode)
+        async with stack as services, fixed_gateway(services) as old:
+            new = next(s for s in services if s.name == "gateway").address
+            gateways = {"old": old, "new": new}
+            progress.remove_task(starting)
+            # Warm-up at full load: both gateways learn the model list, the router the
+            # workers' rates, the engines see every batch size before anything is timed.
+            for address in gateways.values():
+                await closed_loop(
+                    address, args.capacity_clients, args.warmup_seconds, args, progress
+                )
+            capacity = await closed_loop(
+                old, args.capacity_clients, args.capacity_seconds, args, progress
+            )
+            report["capacity"] = capacity
+            per_s = capacity["requests_per_s"]
+            console.print(f"capacity: {per_s:.2f} requests/s ({capacity['completed']} whole)")
+            for load in args.loads:
+                for mode in MODES:
+                    seconds = run_seconds(load, args)
+                    expected = round(load * per_s * seconds)
+                    task = progress.add_task(f"{mode} admission, {load}x", total=expected)
+                    with timed_region() as region:
+                        outcomes = await open_loop(
+                            gateways[mode], load * per_s, seconds, round(load * 100),
+                            args, functools.partial(progress.advance, task),
+                        )  # fmt: skip
+                    progress.remove_task(task)
+                    figures = summary(outcomes, seconds, per_s)
+                    report["runs"].append(
+                        {"mode": mode, "load": load, "seconds": seconds,
+                         "region": asdict(region), **figures}
+                    )  # fmt: skip
+                    console.print(
+                        f"{mode} {load}x: goodput {figures['goodput_per_s']:.2f}/s "
+                        f"({figures['goodput_vs_capacity']:.2f}x), shed "
+                        f"{figures['shed_rate']:.0%}, interactive p99 TTFT "
+                        f"{figures['interactive_ttft_p99_ms']:.0f} ms"
+                    )
+    report["workload"] = {
+        "mode": args.mode,
+        "prompt_words": args.prompt_words,
+        "output_tokens": args.output_tokens,
+        "deadlines_s": DEADLINE_S,
+        "loads": args.loads,
+        "seconds": args.seconds,
+        "goal_seconds": args.goal_seconds,
+    }
+    report["machine"]["load_average_end"] = os.getloadavg()[0]
+    return report
+
+
+def find(report: dict[str, Any], mode: str, load: float) -> dict[str, Any] | None:
+    return next((r for r in report["runs"] if r["mode"] == mode and r["load"] == load), None)
+
+
+def verdicts(report: dict[str, Any]) -> list[str]:
+    """One sentence per goal at 3x, with the margin by which it is met or missed."""
+    new = find(report, "new", GOAL_LOAD)
+    if new is None:
+        return [f"- No {GOAL_LOAD}x run: the goals were not measured."]
+    old = find(report, "old", GOAL_LOAD)
+    ratio = new["goodput_vs_capacity"]
+    was = f" (old admission: {old['goodput_vs_capacity']:.2f}x)" if old else ""
+    ttft = new["interactive_ttft_p99_ms"]
+    refusal = new["refusal_max_ms"]
+    side_by_side = (
+        f"- New against old admission side by side at {GOAL_LOAD}x: goodput "
+        f"{new['goodput_per_s'] / old['goodput_per_s']:.2f}x, shed {new['shed_rate']:.0%} vs "
+        f"{old['shed_rate']:.0%}, deadline finishes "
+        f"{new['finishes'].get('FINISH_REASON_DEADLINE', 0)} vs "
+        f"{old['finishes'].get('FINISH_REASON_DEADLINE', 0)}."
+        if old
+        else f"- No old-admission run at {GOAL_LOAD}x to compare with."
+    )
+    return [
+        side_by_side,
+        f"- Finished within the deadline at {GOAL_LOAD}x for {new['seconds']:.0f} s: "
+        f"{new['goodput_per_s']:.2f}/s = {ratio:.2f}x the capacity{was} "
+        f"(goal >= {GOODPUT_GOAL}x: {'met' if ratio >= GOODPUT_GOAL else 'missed'}).",
+        f"- Interactive p99 TTFT at {GOAL_LOAD}x: {ttft:.0f} ms (goal <= "
+        f"{DEADLINE_S['interactive'] * 1000:.0f} ms: "
+        f"{'met' if ttft <= DEADLINE_S['interactive'] * 1000 else 'missed'}).",
+        f"- Refusals at {GOAL_LOAD}x: {new['shed']}, slowest {refusal:.1f} ms, p99 "
+        f"{new['refusal_p99_ms']:.1f} ms, {new['refusals_with_retry_info']} with RetryInfo "
+        f"(median retry-after {new['retry_after_p50_s']:.2f} s) (goal < {REFUSAL_GOAL_MS:.0f} "
+        f"ms: {'met' if new['shed'] == 0 or refusal < REFUSAL_GOAL_MS else 'missed'}).",
+    ]
+
+
+def markdown(report: dict[str, Any], command: str) -> str:
+    cap = report["capacity"]
+    work = report["workload"]
+    cpu = report["machine"]
+    regions = [r["region"] for r in report["runs"]] + [cap["region"]]
+    others = [r["other_cores"] for r in regions]
+    lines = [
+        HEADING,
+        "",
+        f"`{command}` (under `flock -x /tmp/kvmesh-cpu.lock`) — default model on CPU "
+        f"({cpu['cpu']}, {cpu['cores']} cores, load average {cpu['load_average_start']:.1f} at "
+        f"the start, {cpu['load_average_end']:.1f} at the end; other processes used "
+        f"{min(others):.2f}-{max(others):.2f} cores in the timed regions). `kvmesh up`'s "
+        f"{work['mode']} stack ({WORKERS[work['mode']]}, nothing pinned) with two gateways "
+        "on its router: **new** = the default admission (adaptive concurrency limit, shedding "
+        "by the workers' measured service time), **old** = `--no-adaptive-admission` (fixed "
+        f"`--max-in-flight` 64, shed only when the queue wait alone exceeds the deadline). "
+        f"Requests: {work['prompt_words']}-word prompts, {work['output_tokens']} output tokens "
+        "(EOS ignored), half interactive with a 10 s deadline, half batch with 30 s, Poisson "
+        f"arrivals. Capacity: {cap['requests_per_s']:.2f} whole answers/s with "
+        f"{cap['clients']} clients back to back through the old gateway for "
+        f"{cap['seconds']:.0f} s. Each load ran {work['seconds']:.0f} s "
+        f"({work['goal_seconds']:.0f} s at {GOAL_LOAD}x) and was drained. Goodput: whole "
+        "answers within their deadline per second of arrivals.",
+        "",
+        "| load | admission | offered/s | goodput/s | vs capacity | shed | refusal p99 ms "
+        "| interactive TTFT p99 ms | batch TTFT p99 ms | deadline finishes |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run_ in report["runs"]:
+        lines.append(
+            f"| {run_['load']}x | {run_['mode']} | {run_['offered_per_s']:.2f} "
+            f"| {run_['goodput_per_s']:.2f} | {run_['goodput_vs_capacity']:.2f}x "
+            f"| {run_['shed_rate']:.0%} | {run_['refusal_p99_ms']:.1f} "
+            f"| {run_['interactive_ttft_p99_ms']:.0f} | {run_['batch_ttft_p99_ms']:.0f} "
+            f"| {run_['finishes'].get('FINISH_REASON_DEADLINE', 0)} |"
+        )
+    lines += ["", *verdicts(report)]
+    return "\n".join(lines) + "\n"
+
+
+def print_table(report: dict[str, Any], console: Console) -> None:
+    table = Table(title="overload: old vs new admission")
+    for column in ("load", "admission", "goodput/s", "vs cap", "shed", "refusal p99 ms",
+                   "int. TTFT p99", "batch TTFT p99"):  # fmt: skip
+        table.add_column(column, justify="right")
+    for r in report["runs"]:
+        table.add_row(
+            f"{r['load']}x", r["mode"], f"{r['goodput_per_s']:.2f}",
+            f"{r['goodput_vs_capacity']:.2f}x", f"{r['shed_rate']:.0%}",
+            f"{r['refusal_p99_ms']:.1f}", f"{r['interactive_ttft_p99_ms']:.0f}",
+            f"{r['batch_ttft_p99_ms']:.0f}",
+        )  # fmt: skip
+    console.print(table)
+    for line in verdicts(report):
+        console.print(line)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Goodput, shed rate, p99 TTFT and refusal latency against the offered load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    styles = {"old": ("C3", "o"), "new": ("C0", "s")}
+    for mode, (color, marker) in styles.items():
+        runs = sorted((r for r in report["runs"] if r["mode"] == mode), key=lambda r: r["load"])
+        loads = [r["load"] for r in runs]
+        axes[0].plot(loads, [r["goodput_vs_capacity"] for r in runs], color=color,
+                     marker=marker, label=mode)  # fmt: skip
+        axes[1].plot(loads, [100 * r["shed_rate"] for r in runs], color=color, marker=marker)
+        for kind, style in (("interactive", "-"), ("batch", "--")):
+            axes[2].plot(loads, [r[f"{kind}_ttft_p99_ms"] / 1000 for r in runs], color=color,
+                         marker=marker, linestyle=style, label=f"{mode} {kind}")  # fmt: skip
+        axes[3].plot(loads, [r["refusal_p99_ms"] for r in runs], color=color, marker=marker)
+    axes[0].axhline(GOODPUT_GOAL, color="grey", linestyle=":", linewidth=1)
+    axes[2].axhline(DEADLINE_S["interactive"], color="grey", linestyle=":", linewidth=1)
+    axes[3].axhline(REFUSAL_GOAL_MS, color="grey", linestyle=":", linewidth=1)
+    titles = ("goodput / capacity", "shed (%)", "TTFT p99 (s)", "refusal p99 (ms)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("offered load (x capacity)", fontsize=8)
+        ax.tick_params(labelsize=8)
+    axes[0].legend(fontsize=8)
+    axes[2].legend(fontsize=7)
+    save_figure(fig, path, "overload: old (fixed limit) vs new admission")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--mode", choices=sorted(WORKERS), default=StackOptions().mode, help="kvmesh up --mode"
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer loads, shorter runs")
+    parser.add_argument("--loads", type=float, nargs="+", default=None,
+                        help="multiples of capacity (default 0.5 1 2 3 4, quick 1 3)")  # fmt: skip
+    parser.add_argument("--seconds", type=int, default=None, help="per load (default 20, quick 10)")
+    parser.add_argument("--goal-seconds", type=int, default=None, help=f"at {GOAL_LOAD}x (60, 20)")
+    parser.add_argument(
+        "--capacity-clients", type=int, default=64, help="the old gateway's --max-in-flight"
+    )
+    parser.add_argument("--capacity-seconds", type=int, default=None, help="default 30, quick 15")
+    parser.add_argument("--warmup-seconds", type=int, default=10)
+    parser.add_argument("--prompt-words", type=int, default=48)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    if args.loads is None:
+        args.loads = [1.0, 3.0] if args.quick else [0.5, 1.0, 2.0, 3.0, 4.0]
+    return with_quick_defaults(
+        args, {"seconds": (20, 10), "goal_seconds": (60, 20), "capacity_seconds": (30, 15)}
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=120)
+    report = asyncio.run(run(args, console))
+    print_table(report, console)
+    if not args.no_write:
+        command = repeat_command("bench.overload", args, parse_args)
+        results = write_results("overload", report)
+        plot(report, RESULTS / "overload.png")
+        write_section(markdown(report, command))
+        console.print(f"wrote {results}, {RESULTS / 'overload.png'} and the {HEADING!r} section")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
