@@ -215,7 +215,7 @@ class AdmissionQueue:
                 "retry later",
                 retry_after_s=max(wait, MIN_RETRY_S),
             )
-        refusal = judge(None if deadline is None else deadline - now, wait, service_s, self._hold_s)
+        refusal = judge(None if deadline is None else deadline - now, wait, service_s)
         if refusal is not None:
             metrics.REQUESTS_SHED.labels(label, refusal.reason).inc()
             raise ResourceExhausted(

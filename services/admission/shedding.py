@@ -25,34 +25,30 @@ class Refusal:
     retry_after_s: float
 
 
-def judge(
-    time_left_s: float | None,
-    wait_s: float,
-    service_s: float | None,
-    hold_s: float | None,
-) -> Refusal | None:
+def judge(time_left_s: float | None, wait_s: float, service_s: float | None) -> Refusal | None:
     """The refusal of a request with `time_left_s` to its deadline (None: no deadline), or
     None to admit it. `service_s` is None while the workers' rates are unknown (then only
-    the wait counts, as before they were measured); `hold_s` is how long a slot is held on
-    average (None before any was), the retry-after when the wait is not what is too long."""
+    the wait counts, as before they were measured)."""
     if time_left_s is None:
         return None
     left = max(time_left_s, 0.0)
+    needed = wait_s + (service_s or 0.0)
+    # When to come back: once the queue ahead has drained by what it is over (the same
+    # request, deadline and rates would fit then), never sooner than MIN_RETRY_S.
+    retry_after_s = max(needed - left, MIN_RETRY_S)
     if wait_s > left:
         return Refusal(
             "deadline",
             f"expected wait in the admission queue ({wait_s:.3f}s) exceeds the request's "
             f"deadline ({left:.3f}s left)",
-            # By then the requests ahead of it have their slots: it would be next.
-            retry_after_s=max(wait_s, MIN_RETRY_S),
+            retry_after_s,
         )
-    if service_s is not None and wait_s + service_s > left:
+    if service_s is not None and needed > left:
         return Refusal(
             "service_time",
             f"expected wait ({wait_s:.3f}s) plus the workers' expected time for this prompt "
             f"and max_tokens ({service_s:.3f}s) exceeds the request's deadline "
             f"({left:.3f}s left)",
-            # The wait ahead of it has drained by then, and a slot or more turned over.
-            retry_after_s=max(wait_s + (hold_s or 0.0), MIN_RETRY_S),
+            retry_after_s,
         )
     return None

@@ -191,8 +191,8 @@ async def test_the_wait_counts_with_the_service_time() -> None:
     assert q.waiting(INTERACTIVE) == 1
     with pytest.raises(ResourceExhausted) as raised:
         await q.admit(INTERACTIVE, deadline=clock.now + 6.0, service_s=3.5)
-    # One ahead of it: it would wait ~4 s; come back after that and one slot turn more.
-    assert raised.value.retry_after_s == pytest.approx(4.0 + 2.0)
+    # One ahead of it: it would wait ~4 s, and 4 + 3.5 is 1.5 s over its 6 s.
+    assert raised.value.retry_after_s == pytest.approx(4.0 + 3.5 - 6.0)
     q.release(held)
     q.release(await fits)
 
