@@ -128,11 +128,15 @@ class PrefillResponse(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
+    SAMPLED_FIELD_NUMBER: _builtins.int
     cached_prompt_tokens: _builtins.int
     """Prompt tokens found in the worker's prefix cache."""
     @_builtins.property
     def first_token(self) -> _common_pb2.TokenChunk:
-        """The first generated token (and its text and logprobs)."""
+        """What the caller gets of the first generated token: the token with its text and logprobs,
+        or nothing yet when it is a stop token or its text is held back because it may begin a
+        stop string (see TokenChunk). The router sends it on as it is.
+        """
 
     @_builtins.property
     def lease(self) -> _common_pb2.KvLease:
@@ -142,6 +146,12 @@ class PrefillResponse(_message.Message):
     def finished(self) -> _common_pb2.Finished:
         """Set when the first token already ends the request (EOS, stop, max_tokens = 1)."""
 
+    @_builtins.property
+    def sampled(self) -> _common_pb2.TokenChunk:
+        """The token prefill sampled, always exactly one id (with its logprob when asked for, no
+        text), whether or not first_token carries it: what decoding continues after.
+        """
+
     def __init__(
         self,
         *,
@@ -149,10 +159,11 @@ class PrefillResponse(_message.Message):
         lease: _common_pb2.KvLease | None = ...,
         cached_prompt_tokens: _builtins.int = ...,
         finished: _common_pb2.Finished | None = ...,
+        sampled: _common_pb2.TokenChunk | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "first_token", b"first_token", "lease", b"lease"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "first_token", b"first_token", "lease", b"lease", "sampled", b"sampled"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "finished", b"finished", "first_token", b"first_token", "lease", b"lease"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "finished", b"finished", "first_token", b"first_token", "lease", b"lease", "sampled", b"sampled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -249,6 +260,7 @@ class DecodeRequest(_message.Message):
     REQUEST_FIELD_NUMBER: _builtins.int
     LEASE_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    SAMPLED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def request(self) -> _common_pb2.InferenceRequest:
         """The request."""
@@ -259,7 +271,15 @@ class DecodeRequest(_message.Message):
 
     @_builtins.property
     def first_token(self) -> _common_pb2.TokenChunk:
-        """The token prefill sampled; decoding continues after it."""
+        """What the caller already has of the first token (PrefillResponse.first_token, perhaps
+        empty); the decode worker echoes it once the KV is imported, to mark the hand-off done.
+        """
+
+    @_builtins.property
+    def sampled(self) -> _common_pb2.TokenChunk:
+        """The token prefill sampled (PrefillResponse.sampled: exactly one id, its logprob when
+        asked for); decoding continues after it.
+        """
 
     def __init__(
         self,
@@ -267,10 +287,11 @@ class DecodeRequest(_message.Message):
         request: _common_pb2.InferenceRequest | None = ...,
         lease: _common_pb2.KvLease | None = ...,
         first_token: _common_pb2.TokenChunk | None = ...,
+        sampled: _common_pb2.TokenChunk | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "lease", b"lease", "request", b"request"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "lease", b"lease", "request", b"request", "sampled", b"sampled"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "lease", b"lease", "request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token", b"first_token", "lease", b"lease", "request", b"request", "sampled", b"sampled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

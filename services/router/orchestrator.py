@@ -74,7 +74,11 @@ class _Attempt:
     plan: Plan
     first_token: common_pb2.TokenChunk | None = None
     """Split: the first token the caller has: this attempt's prefill's, or, when the attempt
-    resumes a failed hand-off, the earlier attempt's (the new prefill's own is dropped)."""
+    resumes a failed hand-off, the earlier attempt's (the new prefill's own is dropped). It
+    may be empty: a stop token, or text held back while it may begin a stop string."""
+    sampled: common_pb2.TokenChunk | None = None
+    """The token that prefill sampled with first_token (its id and logprob): what the decode
+    worker continues after."""
     handed_off: bool = False
     """The decode worker confirmed the KV import: it owns the lease, and the request's fate."""
     cached_prompt_tokens: int = 0
@@ -232,10 +236,13 @@ class Orchestrator:
         return plan
 
     def _start(
-        self, job: _Job, plan: Plan, first_token: common_pb2.TokenChunk | None = None
+        self, job: _Job, plan: Plan, resumed: _Attempt | None = None
     ) -> tuple[_Attempt, Coalescer[common_pb2.GenerateEvent]]:
-        """Starts an attempt on `plan`; its events are drained from now on, and kept in live."""
-        attempt = _Attempt(plan, first_token)
+        """Starts an attempt on `plan` (continuing `resumed`'s first token, if given); its
+        events are drained from now on, and kept in live."""
+        attempt = _Attempt(plan)
+        if resumed is not None:
+            attempt.first_token, attempt.sampled = resumed.first_token, resumed.sampled
         downstream = _downstream_request(job.request, plan.tier, job.request_id, job.attempts)
         events = Coalescer(self._attempt_events(attempt, downstream, job.deadline))
         job.live.add(events)
@@ -286,7 +293,7 @@ class Orchestrator:
                 "to resume the hand-off on"
             )
         build.record_placement(trace.get_current_span(), plan, job.attempts)
-        return self._start(job, plan, attempt.first_token)
+        return self._start(job, plan, attempt)
 
     async def _forward(
         self,
@@ -499,8 +506,9 @@ class Orchestrator:
         if attempt.first_token is None:
             # The caller gets the prefill's token at once: the KV hand-off runs after the
             # first token, not before it.
-            attempt.first_token = prefilled.first_token
-            yield common_pb2.GenerateEvent(chunk=prefilled.first_token)
+            attempt.first_token, attempt.sampled = prefilled.first_token, prefilled.sampled
+            if prefilled.first_token.token_ids or prefilled.first_token.text:
+                yield common_pb2.GenerateEvent(chunk=prefilled.first_token)
             if prefilled.HasField("finished"):
                 # The first token ended the request: nothing to decode, no lease.
                 yield common_pb2.GenerateEvent(finished=prefilled.finished)
@@ -514,7 +522,10 @@ class Orchestrator:
         # Opened once the first token is on its way: opened while the prompt ran, its set-up
         # delayed the Prefill call's by about a millisecond, on the first token's path.
         start = worker_pb2.DecodeRequest(
-            request=request, lease=prefilled.lease, first_token=attempt.first_token
+            request=request,
+            lease=prefilled.lease,
+            first_token=attempt.first_token,
+            sampled=attempt.sampled,
         )
         decode = self.workers.decode(decode_address, start, _time_left(deadline))
         async with contextlib.aclosing(decode):

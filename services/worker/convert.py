@@ -104,6 +104,27 @@ def token_chunk(outputs: Sequence[RequestOutput]) -> common_pb2.TokenChunk:
     return chunk
 
 
+def sampled_chunk(output: RequestOutput) -> common_pb2.TokenChunk:
+    """PrefillResponse.sampled: the one token a prefill sampled, its logprob when asked for."""
+    if output.sampled_token_id is None:
+        raise RuntimeError("the prefill's output names no sampled token")
+    chunk = common_pb2.TokenChunk(token_ids=[output.sampled_token_id])
+    if output.sampled_logprob is not None:
+        chunk.logprobs.append(_logprob(output.sampled_logprob))
+    return chunk
+
+
+def sampled_token(chunk: common_pb2.TokenChunk) -> tuple[int, TokenLogprob | None]:
+    """DecodeRequest.sampled as the engine's first token id and logprob."""
+    if len(chunk.token_ids) != 1 or len(chunk.logprobs) > 1:
+        raise InvalidArgument("sampled", "must carry exactly the one token prefill sampled")
+    if not chunk.logprobs:
+        return chunk.token_ids[0], None
+    entry = chunk.logprobs[0]
+    top = [(t.token_id, t.logprob) for t in entry.top]
+    return chunk.token_ids[0], TokenLogprob(entry.token_id, entry.logprob, top)
+
+
 def finish_reason(reason: FinishReason) -> common_pb2.FinishReason.ValueType:
     return FINISH_REASONS[reason]
 

@@ -47,7 +47,14 @@ from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from kvmesh.version import kvmesh_version
 from services.worker import metrics
 from services.worker.config import WorkerConfig
-from services.worker.convert import engine_request, finished, layout_proto, token_chunk
+from services.worker.convert import (
+    engine_request,
+    finished,
+    layout_proto,
+    sampled_chunk,
+    sampled_token,
+    token_chunk,
+)
 from services.worker.engine.api import (
     EngineRequest,
     FinishReason,
@@ -159,9 +166,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if first.WhichOneof("message") != "request":
             raise InvalidArgument("request", "the first message must be the request")
         request = engine_request(first.request, context.time_remaining())
+        # Claimed before the watch starts: a refused duplicate leaves no reader task behind
+        # (it would fail on the aborted call with nobody to retrieve its error).
+        state = self._track(request, context)
         watch = CancelWatch(request_iterator, _cancel_reason, request.request_id)
         watch.start()
-        state = self._track(request, context)
         try:
             async for event in self._stream(
                 "Generate", self.engine.generate(request), watch.cancelled, state
@@ -189,6 +198,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         metrics.REQUEST_PREFILL_SECONDS.labels("Prefill").observe(time.monotonic() - started)
         response = worker_pb2.PrefillResponse(
             first_token=token_chunk([output]),
+            sampled=sampled_chunk(output),
             cached_prompt_tokens=output.num_cached_prompt_tokens,
         )
         if handle is None:  # ended with the prompt: its first token, if any, is all there is
@@ -242,8 +252,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if first.WhichOneof("message") != "start":
             raise InvalidArgument("start", "the first message must be the start")
         start = first.start
-        if len(start.first_token.token_ids) != 1:
-            raise InvalidArgument("first_token", "must carry exactly the one token prefill sampled")
+        first_token_id, first_logprob = sampled_token(start.sampled)
         request = engine_request(start.request, context.time_remaining())
         lease = start.lease
         check_compatible(
@@ -266,7 +275,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._spawn(self.importer.release_remote(lease))
             async for event in self._stream(
                 "Decode",
-                self.engine.commit_import(plan, start.first_token.token_ids[0]),
+                self.engine.commit_import(plan, first_token_id, first_logprob),
                 watch.cancelled,
                 state,
                 kv_transfer_ms,
@@ -313,7 +322,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 chunk = token_chunk(batch)
                 last = batch[-1]
                 state.cached_prompt_tokens = last.num_cached_prompt_tokens
-                if chunk.token_ids:
+                if chunk.token_ids or chunk.text:
                     self._observe_chunk(rpc, state, len(chunk.token_ids))
                     yield common_pb2.GenerateEvent(chunk=chunk)
                 if last.finish_reason is not None:
@@ -367,6 +376,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     @staticmethod
     def _observe_chunk(rpc: str, state: _StreamState, num_tokens: int) -> None:
+        if not num_tokens:  # the rest of a held-back token's text: no token goes out
+            return
         now = time.monotonic()
         if state.first_token_at is None:
             state.first_token_at = now

@@ -18,6 +18,7 @@ from tests.service.worker_mesh import (
     KV_BLOCKS,
     SEEDED,
     InProcessWorker,
+    StreamResult,
     all_idle,
     collect,
     colocated,
@@ -77,6 +78,80 @@ async def test_split_equals_colocated_equals_offline(
             assert all(chunk.token_ids for chunk in result.chunks)
         assert split.finished.timings.kv_transfer_ms > 0
     assert await all_idle(trio.stubs)
+
+
+async def _both_ways(
+    trio: Trio, name: str, prompt: list[int], sampling: common_pb2.SamplingParams
+) -> tuple[StreamResult, StreamResult]:
+    """The request on the colocated worker, and handed off from prefill to decode."""
+    alone = await colocated(trio.both.stub, request(f"{name}-c", prompt, sampling))
+    split = await disaggregated(trio.prefill, trio.decode, request(f"{name}-s", prompt, sampling))
+    return alone, split
+
+
+async def test_token_ids_and_text_leave_out_stop_strings_and_stop_tokens_alike_split_or_not(
+    trio: Trio,
+) -> None:
+    """The contract of TokenChunk: a stop token and a stop string are in neither the ids nor
+    the text, on one worker or handed off, and a first token held back by the prefill worker
+    (its text may begin a stop string) reaches the caller from the decode worker."""
+    prompt, texts = await _prompt_whose_first_two_tokens_have_text(trio)
+    free = await colocated(trio.both.stub, request("free", prompt, GREEDY))
+    ids = free.token_ids
+
+    # A stop string that begins with the first token's text and never completes: the prefill
+    # worker holds the token back; the caller gets every token and all the text in the end.
+    never = sampled(stop=[texts[1] + "\x00never"])
+    held = request("held-p", prompt, never)
+    prefilled = await trio.prefill.stub.Prefill(prefill_request(held, trio.decode))
+    assert (list(prefilled.first_token.token_ids), prefilled.first_token.text) == ([], "")
+    assert list(prefilled.sampled.token_ids) == ids[:1]
+    await trio.prefill.stub.ReleaseKv(
+        worker_pb2.ReleaseKvRequest(lease_id=prefilled.lease.lease_id)
+    )
+    for result in await _both_ways(trio, "held", prompt, never):
+        assert (result.token_ids, result.text) == (ids, free.text)
+        assert result.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    # A stop string that starts at the first token and completes at the second: nothing at all.
+    for result in await _both_ways(trio, "gone", prompt, sampled(stop=[texts[2]])):
+        assert (result.token_ids, result.text) == ([], "")
+        assert result.finished.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert result.finished.usage.completion_tokens == 2  # both were generated
+    # A stop token: the tokens before it, not itself.
+    before = ids.index(ids[2])
+    for result in await _both_ways(trio, "token", prompt, sampled(stop_token_ids=[ids[2]])):
+        assert (result.token_ids, result.text) == (ids[:before], texts[before])
+        assert result.finished.finish_reason == common_pb2.FINISH_REASON_STOP
+        assert result.finished.usage.completion_tokens == before + 1
+    assert await all_idle(trio.stubs)
+
+
+async def _prompt_whose_first_two_tokens_have_text(trio: Trio) -> tuple[list[int], list[str]]:
+    """A prompt of the tiny random model whose first and second greedy tokens each add text
+    (many of its tokens are partial characters), and texts[n]: its first n tokens' text."""
+    for start in range(20, 2000, 37):
+        prompt = list(range(start, start + 30))
+        texts = [""]
+        for n in (1, 2, 3):
+            result = await colocated(
+                trio.both.stub, request(f"t{start}-{n}", prompt, sampled(max_tokens=n))
+            )
+            texts.append(result.text)
+        if texts[1] and len(texts[2]) > len(texts[1]):
+            return prompt, texts
+    raise AssertionError("no prompt of the tiny model starts with two tokens of text")
+
+
+def sampled(**fields: int | list[str] | list[int]) -> common_pb2.SamplingParams:
+    """GREEDY with some fields set (max_tokens) or extended (stop, stop_token_ids)."""
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(GREEDY)
+    for name, value in fields.items():
+        if isinstance(value, int):
+            setattr(sampling, name, value)
+        else:
+            getattr(sampling, name).extend(value)
+    return sampling
 
 
 def _transfer(direction: str) -> tuple[float, float]:

@@ -167,7 +167,10 @@ def decode_start(
 ) -> worker_pb2.DecodeMessage:
     return worker_pb2.DecodeMessage(
         start=worker_pb2.DecodeRequest(
-            request=req, lease=prefilled.lease, first_token=prefilled.first_token
+            request=req,
+            lease=prefilled.lease,
+            first_token=prefilled.first_token,
+            sampled=prefilled.sampled,
         )
     )
 

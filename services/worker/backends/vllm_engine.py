@@ -400,6 +400,8 @@ class VllmEngine:
             num_prompt_tokens=len(req.prompt_token_ids),
             num_cached_prompt_tokens=num_cached,
             num_output_tokens=num_output,
+            sampled_token_id=token_ids[-1] if token_ids else None,
+            sampled_logprob=logprobs[-1] if logprobs else None,
         )
 
     def _sampling(
@@ -532,7 +534,7 @@ class VllmEngine:
         plan.written.add(index)
 
     async def commit_import(
-        self, plan: ImportPlan, first_token_id: int
+        self, plan: ImportPlan, first_token_id: int, first_logprob: TokenLogprob | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Decoding continues after first_token_id; outputs as from generate()."""
         entry = self._import(plan)
@@ -644,6 +646,12 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
         num_cached_prompt_tokens=last.num_cached_prompt_tokens,
         num_output_tokens=last.num_output_tokens,
         error=last.error,
+        sampled_token_id=next(
+            (o.sampled_token_id for o in reversed(outputs) if o.sampled_token_id is not None), None
+        ),
+        sampled_logprob=next(
+            (o.sampled_logprob for o in reversed(outputs) if o.sampled_logprob is not None), None
+        ),
     )
 
 

@@ -136,6 +136,12 @@ class RequestOutput:
     num_cached_prompt_tokens: int
     num_output_tokens: int
     error: str | None = None
+    sampled_token_id: int | None = None
+    """The token this step sampled for the request, also when new_token_ids leaves it out (a
+    stop token, or text held back because it may begin a stop string): what a decode worker
+    continues after."""
+    sampled_logprob: TokenLogprob | None = None
+    """Its log-probability, when the request asked for them."""
 
 
 @dataclass(slots=True)
@@ -266,7 +272,7 @@ class EngineBackend(Protocol):
     async def write_imported_block(self, plan: ImportPlan, index: int, data: bytes) -> None: ...
 
     def commit_import(
-        self, plan: ImportPlan, first_token_id: int
+        self, plan: ImportPlan, first_token_id: int, first_logprob: TokenLogprob | None = None
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def cancel_import(self, plan: ImportPlan) -> None: ...

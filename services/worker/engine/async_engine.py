@@ -31,6 +31,7 @@ from services.worker.engine.api import (
     KvHandle,
     Priority,
     RequestOutput,
+    TokenLogprob,
 )
 from services.worker.engine.block_copies import BlockCopies
 from services.worker.engine.config import EngineConfig
@@ -194,7 +195,7 @@ class AsyncEngine:
         await self._imports.copy(plan.request_id, copier, write)
 
     def commit_import(
-        self, plan: ImportPlan, first_token_id: int
+        self, plan: ImportPlan, first_token_id: int, first_logprob: TokenLogprob | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """Decoding continues after first_token_id; outputs as from generate()."""
 
@@ -202,7 +203,9 @@ class AsyncEngine:
             idle = asyncio.get_running_loop().create_future()
             self._imports.close(plan.request_id, functools.partial(_set_once, idle), plan)
             await idle  # every write ended
-            await self._call(lambda: self._engine.commit_import(plan, first_token_id))
+            await self._call(
+                lambda: self._engine.commit_import(plan, first_token_id, first_logprob)
+            )
 
         return self._stream(plan.request_id, start)
 

@@ -38,7 +38,7 @@ from services.worker.engine.linear_kernel import choose_linear_kernel
 from services.worker.engine.loader import LoadedModel, load_model, torch_dtype
 from services.worker.engine.model_runner import BatchEntry, ModelRunner
 from services.worker.engine.models import StepInterrupted
-from services.worker.engine.output_processor import OutputProcessor
+from services.worker.engine.output_processor import Emission, OutputProcessor
 from services.worker.engine.request import RequestState
 from services.worker.engine.sampler import Sampler, SampleRow
 from services.worker.engine.scheduler import ScheduledChunk, Scheduler
@@ -248,9 +248,12 @@ class Engine:
         self.runner.write_block(plan.block_ids[index], data)
         plan.written.add(index)
 
-    def commit_import(self, plan: ImportPlan, first_token_id: int) -> None:
-        """Start decoding after first_token_id (sampled by the prefill engine); its outputs
-        come from step() like any request's."""
+    def commit_import(
+        self, plan: ImportPlan, first_token_id: int, first_logprob: TokenLogprob | None = None
+    ) -> None:
+        """Start decoding after first_token_id (sampled by the prefill engine, with its
+        logprob when the request asks for them); its outputs come from step() like any
+        request's."""
         state = self._import_state(plan)
         unwritten = sorted(set(plan.missing_indices) - plan.written)
         if unwritten:
@@ -266,11 +269,11 @@ class Engine:
         state.token_ids.append(first_token_id)
         # Replays what the prefill engine did with this token (its text was sent from there),
         # so that stop strings, detokenization and the grammar continue from the same state.
-        _, finish, error = self._after_token(state, first_token_id)
+        replayed, error = self._after_token(state, first_token_id, first_logprob)
         self._states[plan.request_id] = state
         self.scheduler.add_running(state)
-        if finish is not None:
-            self._pending.append(self._end(state, finish, error))
+        if replayed.finish is not None:
+            self._pending.append(self._end(state, replayed.finish, error))
 
     def cancel_import(self, plan: ImportPlan) -> None:
         """Free every block the plan allocated."""
@@ -349,28 +352,31 @@ class Engine:
         self, state: RequestState, token_id: int, logprob: TokenLogprob | None
     ) -> RequestOutput:
         state.token_ids.append(token_id)
-        text, finish, error = self._after_token(state, token_id)
-        if finish is not None:
+        emission, error = self._after_token(state, token_id, logprob)
+        if emission.finish is not None:
             self._retire(state)
         elif state.hold_after_prefill:
             self._hold(state)
-        logprobs = None if logprob is None else [logprob]
-        return self._output(state, [token_id], text, logprobs, finish, error)
+        return self._output(state, emission, error, sampled=(token_id, logprob))
 
     def _after_token(
-        self, state: RequestState, token_id: int
-    ) -> tuple[str, FinishReason | None, str | None]:
-        """Text, finish reason and error after one token (already in state.token_ids): stop
-        conditions first, then the grammar, which ends the request once it is complete."""
-        text, finish = state.processor.process(token_id, state.num_output_tokens, state.num_tokens)
+        self, state: RequestState, token_id: int, logprob: TokenLogprob | None
+    ) -> tuple[Emission, str | None]:
+        """What one token (already in state.token_ids) releases, and the error if it breaks
+        the constraint: stop conditions first, then the grammar, which ends the request once
+        it is complete."""
+        emission = state.processor.process(
+            token_id, logprob, state.num_output_tokens, state.num_tokens
+        )
         matcher = state.matcher
-        if finish is not None or matcher is None:
-            return text, finish, None
+        if emission.finish is not None or matcher is None:
+            return emission, None
         if not matcher.accept(token_id):
-            return text, FinishReason.ERROR, f"token {token_id} breaks the output constraint"
+            emission.finish = FinishReason.ERROR
+            return emission, f"token {token_id} breaks the output constraint"
         if matcher.is_terminated():
-            return text + state.processor.flush(), FinishReason.STOP, None
-        return text, None, None
+            return emission.then(state.processor.flush(FinishReason.STOP)), None
+        return emission, None
 
     def _hold(self, state: RequestState) -> None:
         handle_id = uuid.uuid4().hex
@@ -388,7 +394,7 @@ class Engine:
     ) -> RequestOutput:
         """Finish a request from outside the sampler (abort, deadline, error)."""
         self._retire(state)
-        return self._output(state, [], state.processor.flush(), None, reason, error)
+        return self._output(state, state.processor.flush(reason), error)
 
     def _retire(self, state: RequestState) -> None:
         self.scheduler.remove(state)
@@ -398,22 +404,22 @@ class Engine:
     def _output(
         self,
         state: RequestState,
-        new_token_ids: list[int],
-        text: str,
-        logprobs: list[TokenLogprob] | None,
-        finish: FinishReason | None,
+        emission: Emission,
         error: str | None = None,
+        sampled: tuple[int, TokenLogprob | None] | None = None,
     ) -> RequestOutput:
         return RequestOutput(
             request_id=state.request_id,
-            new_token_ids=new_token_ids,
-            text_delta=text,
-            logprobs=logprobs,
-            finish_reason=finish,
+            new_token_ids=emission.token_ids,
+            text_delta=emission.text,
+            logprobs=emission.logprobs or None,
+            finish_reason=emission.finish,
             num_prompt_tokens=state.num_prompt_tokens,
             num_cached_prompt_tokens=state.num_cached_prompt_tokens,
             num_output_tokens=state.num_output_tokens,
             error=error,
+            sampled_token_id=None if sampled is None else sampled[0],
+            sampled_logprob=None if sampled is None else sampled[1],
         )
 
     def _expire_deadlines(self, outputs: list[RequestOutput]) -> None:

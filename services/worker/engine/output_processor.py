@@ -1,11 +1,20 @@
-"""Per-request output processing: text deltas and stop conditions after each sampled token."""
+"""Per-request output processing: what each sampled token releases, and when a request stops.
+
+The contract (protos/kvmesh/v1/common.proto, TokenChunk): `token_ids` and `text` describe the
+same tokens. A stop token (EOS, a stop_token_id) and a stop string are in neither: the tokens
+that carry only a stop string's text are left out with it, and a token whose text begins before
+a stop string is kept with its text cut where the stop string starts. So tokens whose text could
+still begin a stop string are held back together with their text until the next tokens show
+whether the stop string completes.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.worker.engine.api import FinishReason, SamplingParams
+from services.worker.engine.api import FinishReason, SamplingParams, TokenLogprob
 
 
 class TextDecoder(Protocol):
@@ -14,13 +23,36 @@ class TextDecoder(Protocol):
     def push(self, token_ids: Sequence[int]) -> str: ...
 
 
-class OutputProcessor:
-    """Decides, token by token, what text to emit and whether the request is finished.
+@dataclass(slots=True)
+class Emission:
+    """What the caller gets after one token: released tokens, their text, maybe the end."""
 
-    Stop strings are never emitted. Text that could be the start of a stop string is held
-    back until the next tokens show whether the stop string completes, so a stop string split
-    across tokens is still caught before any of it reaches the caller.
-    """
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per released token when the request asked for logprobs, else empty."""
+    finish: FinishReason | None = None
+
+    def then(self, later: Emission) -> Emission:
+        """This emission followed by a later one (whose finish reason wins when set)."""
+        return Emission(
+            self.token_ids + later.token_ids,
+            self.text + later.text,
+            self.logprobs + later.logprobs,
+            later.finish or self.finish,
+        )
+
+
+@dataclass(slots=True)
+class _HeldToken:
+    token_id: int
+    logprob: TokenLogprob | None
+    starts_at: int
+    """Where the token's text starts within the held text."""
+
+
+class OutputProcessor:
+    """Decides, token by token, which tokens and text to release and whether to stop."""
 
     def __init__(
         self,
@@ -35,34 +67,72 @@ class OutputProcessor:
             frozenset() if sampling.ignore_eos else eos_token_ids
         )
         self._context_length = context_length
-        self._held = ""
+        self._held_text = ""
+        self._held: list[_HeldToken] = []
 
     def process(
-        self, token_id: int, num_output_tokens: int, num_total_tokens: int
-    ) -> tuple[str, FinishReason | None]:
+        self,
+        token_id: int,
+        logprob: TokenLogprob | None,
+        num_output_tokens: int,
+        num_total_tokens: int,
+    ) -> Emission:
         """Account for one sampled token (already counted in the two totals)."""
         if token_id in self._stop_ids:
-            # The stop token itself has no text; what was held back is ordinary text.
-            return self.flush(), FinishReason.STOP
-        text = self._held + self._decoder.push([token_id])
-        self._held = ""
-        if self._sampling.stop:
-            stop_at = _earliest_stop(text, self._sampling.stop)
-            if stop_at is not None:
-                return text[:stop_at], FinishReason.STOP
-            keep = _longest_stop_prefix_suffix(text, self._sampling.stop)
-            text, self._held = text[: len(text) - keep], text[len(text) - keep :]
-        if (
+            # What was held back is ordinary output; the stop token itself is in neither.
+            return self.flush(FinishReason.STOP)
+        self._held.append(_HeldToken(token_id, logprob, len(self._held_text)))
+        self._held_text += self._decoder.push([token_id])
+        stops = self._sampling.stop
+        if not stops:
+            emission = self.flush()
+        else:
+            keep = _longest_stop_prefix_suffix(self._held_text, stops)
+            emission = self._release(len(self._held_text) - keep)
+        if emission.finish is None and (
             num_output_tokens >= self._sampling.max_tokens
             or num_total_tokens >= self._context_length
         ):
-            return text + self.flush(), FinishReason.LENGTH
-        return text, None
+            return emission.then(self.flush(FinishReason.LENGTH))
+        return emission
 
-    def flush(self) -> str:
-        """Release held-back text (the request ends for a reason other than a stop string)."""
-        held, self._held = self._held, ""
-        return held
+    def flush(self, finish: FinishReason | None = None) -> Emission:
+        """Release everything held back (the request ends for a reason other than a stop
+        string, or nothing can begin one)."""
+        emission = Emission(
+            [token.token_id for token in self._held],
+            self._held_text,
+            [token.logprob for token in self._held if token.logprob is not None],
+            finish,
+        )
+        self._held_text, self._held = "", []
+        return emission
+
+    def _release(self, cut: int) -> Emission:
+        """Releases the held text before `cut` and the tokens whose text starts before it.
+
+        A stop string in the held text moves the cut to where it starts and ends the request
+        there: what follows it is dropped.
+        """
+        stop_at = _earliest_stop(self._held_text, self._sampling.stop)
+        if stop_at is not None:
+            cut = stop_at
+        released = [token for token in self._held if token.starts_at < cut]
+        emission = Emission(
+            [token.token_id for token in released],
+            self._held_text[:cut],
+            [token.logprob for token in released if token.logprob is not None],
+            None if stop_at is None else FinishReason.STOP,
+        )
+        if stop_at is not None:
+            self._held_text, self._held = "", []
+        else:
+            self._held_text = self._held_text[cut:]
+            self._held = [
+                _HeldToken(token.token_id, token.logprob, token.starts_at - cut)
+                for token in self._held[len(released) :]
+            ]
+        return emission
 
 
 def _earliest_stop(text: str, stops: Sequence[str]) -> int | None:

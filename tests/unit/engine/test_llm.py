@@ -64,6 +64,8 @@ def test_llm_stops_at_eos_and_keeps_prompt_order(llm: LLM) -> None:
         [SamplingParams(max_tokens=64), SamplingParams(max_tokens=5)],
     )
     assert short.finish_reason is FinishReason.STOP
-    assert short.token_ids[-1] in llm.tokenizer.eos_token_ids
+    # The EOS token that stopped it is in neither the token ids nor the text.
+    assert short.token_ids and not set(short.token_ids) & llm.tokenizer.eos_token_ids
+    assert short.text == llm.tokenizer.decode(short.token_ids)
     assert len(long.token_ids) == 5 and long.finish_reason is FinishReason.LENGTH
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks

@@ -21,6 +21,13 @@ LEASE = common_pb2.KvLease(lease_id="lease-1", worker_address=PREFILL, num_token
 LEASE_2 = common_pb2.KvLease(lease_id="lease-2", worker_address=PREFILL, num_tokens=3)
 FIRST = common_pb2.TokenChunk(token_ids=[7])
 ECHO = common_pb2.GenerateEvent(chunk=FIRST)
+
+
+def prefilled() -> worker_pb2.PrefillResponse:
+    """A Prefill's answer: the first token (shown and sampled) and the lease."""
+    return worker_pb2.PrefillResponse(first_token=FIRST, sampled=FIRST, lease=LEASE)
+
+
 """The decode worker's first chunk: the first token again, once the KV is imported."""
 LENGTH = common_pb2.GenerateEvent(
     finished=common_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_LENGTH)
@@ -143,12 +150,13 @@ async def test_the_decode_call_opens_once_the_prefill_answered() -> None:
     # Not opened while the prompt runs: setting it up would slow the Prefill call's start.
     assert workers.decode_calls == []
 
-    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(prefilled())
     events = await running
     assert kinds(events) == ["started", "chunk", "finished"]
     (call,) = workers.decode_calls
     (start,) = call.written
     assert start.start.lease == LEASE and start.start.first_token == FIRST
+    assert start.start.sampled == FIRST
     assert start.start.request.request_id == "r"
     assert workers.released == []  # the decode worker releases the lease it pulled
 
@@ -166,7 +174,7 @@ async def test_a_request_ended_by_its_first_token_opens_no_decode_call() -> None
     finished = common_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_STOP)
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [])
     workers.prefill_answer.set_result(
-        worker_pb2.PrefillResponse(first_token=FIRST, finished=finished)
+        worker_pb2.PrefillResponse(first_token=FIRST, sampled=FIRST, finished=finished)
     )
     events = await run(orchestrator(workers))
     assert kinds(events) == ["started", "chunk", "finished"]
@@ -175,7 +183,7 @@ async def test_a_request_ended_by_its_first_token_opens_no_decode_call() -> None
 
 async def test_a_decode_that_never_starts_releases_the_lease() -> None:
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [])  # ends at once
-    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(prefilled())
     with pytest.raises(Unavailable):
         await run(orchestrator(workers))
     await asyncio.sleep(0.01)  # releases run in the background
@@ -188,7 +196,7 @@ async def test_the_first_token_reaches_the_caller_before_the_kv_hand_off() -> No
     workers = FakeWorkers(
         asyncio.get_running_loop().create_future(), [importing, ECHO, chunk(8), LENGTH]
     )
-    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(prefilled())
     events = orchestrator(workers).run(inference_request(), None, asyncio.Event(), set())
     ahead = await first_two(events)
     assert kinds(ahead) == ["started", "chunk"] and ahead[1].chunk == FIRST
@@ -209,11 +217,13 @@ async def test_a_hand_off_failing_after_the_first_token_resumes_from_that_token(
         [rpc_error("pulling KV failed")],
         # The prompt's second run samples another token: the caller keeps the first one.
         retry_prefill=worker_pb2.PrefillResponse(
-            first_token=common_pb2.TokenChunk(token_ids=[9]), lease=LEASE_2
+            first_token=common_pb2.TokenChunk(token_ids=[9]),
+            sampled=common_pb2.TokenChunk(token_ids=[9]),
+            lease=LEASE_2,
         ),
         retry_decode_steps=[ECHO, chunk(8), LENGTH],
     )
-    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(prefilled())
     events = await run(orchestrator(workers))
     assert kinds(events) == ["started", "chunk", "chunk", "finished"]
     assert tokens(events) == [7, 8]
@@ -222,6 +232,7 @@ async def test_a_hand_off_failing_after_the_first_token_resumes_from_that_token(
     _, resumed = workers.decode_calls
     (start,) = resumed.written
     assert start.start.first_token == FIRST and start.start.lease == LEASE_2
+    assert start.start.sampled == FIRST  # decoding continues after the token the caller has
     await asyncio.sleep(0.01)
     assert workers.released == ["lease-1"]  # the failed hand-off's; lease-2 was imported
 
@@ -230,7 +241,7 @@ async def test_a_failure_after_the_hand_off_is_not_resumed() -> None:
     workers = FakeWorkers(
         asyncio.get_running_loop().create_future(), [ECHO, chunk(8), rpc_error("decode died")]
     )
-    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(prefilled())
     with pytest.raises(Unavailable, match="not re-run") as raised:
         await run(orchestrator(workers))
     assert "completion_tokens=2" in raised.value.message
@@ -247,10 +258,12 @@ async def test_a_resumed_prompt_ending_at_its_own_first_token_cannot_continue() 
         asyncio.get_running_loop().create_future(),
         [rpc_error("pulling KV failed")],
         retry_prefill=worker_pb2.PrefillResponse(
-            first_token=common_pb2.TokenChunk(token_ids=[2]), finished=stop
+            first_token=common_pb2.TokenChunk(token_ids=[2]),
+            sampled=common_pb2.TokenChunk(token_ids=[2]),
+            finished=stop,
         ),
     )
-    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(prefilled())
     with pytest.raises(Unavailable, match="second run ended at its own first token"):
         await run(orchestrator(workers))
     assert len(workers.prefill_requests) == 2
@@ -260,7 +273,7 @@ async def test_a_resumed_prompt_ending_at_its_own_first_token_cannot_continue() 
 
 async def test_a_cancel_during_the_hand_off_aborts_with_the_first_token_counted() -> None:
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [asyncio.Event()])
-    workers.prefill_answer.set_result(worker_pb2.PrefillResponse(first_token=FIRST, lease=LEASE))
+    workers.prefill_answer.set_result(prefilled())
     cancelled = asyncio.Event()
     events = orchestrator(workers).run(inference_request(), None, cancelled, set())
     ahead = await first_two(events)
