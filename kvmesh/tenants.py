@@ -13,6 +13,10 @@ The tenants file is YAML:
         shared_cache: false        # share response-cache entries with other opted-in tenants
         cache_salt: acme           # prefix-cache isolation salt (default: the name)
         admin: false               # may read other tenants' usage
+
+Both token budgets count the prompt and generated tokens of every request a model ran; a
+response-cache hit runs no model and counts 0 against them (it is priced, at a thousandth of
+a generated token per token delivered, in the usage's cost).
 """
 
 from __future__ import annotations

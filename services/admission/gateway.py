@@ -540,11 +540,12 @@ class Gateway:
                 gateway_pb2.ModelUsage(
                     model=model,
                     requests=summed.requests,
-                    usage=common_pb2.Usage(
+                    usage=gateway_pb2.UsageTotals(
                         prompt_tokens=summed.prompt_tokens,
                         cached_prompt_tokens=summed.cached_prompt_tokens,
                         completion_tokens=summed.completion_tokens,
-                        response_cache_hit=summed.response_cache_hits > 0,
+                        response_cache_hits=summed.response_cache_hits,
+                        response_cache_tokens=summed.response_cache_tokens,
                         cost_usd=summed.cost_usd,
                     ),
                 )

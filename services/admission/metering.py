@@ -32,6 +32,8 @@ class ModelTotals:
     completion_tokens: int = 0
     response_cache_hits: int = 0
     cost_usd: float = 0.0
+    response_cache_tokens: int = 0
+    """Tokens the response cache delivered (the hits' answers; not in completion_tokens)."""
 
     def add(self, other: ModelTotals) -> None:
         for f in fields(self):
@@ -45,6 +47,7 @@ class ModelTotals:
             cached_prompt_tokens=tokens.cached_prompt_tokens,
             completion_tokens=tokens.completion_tokens,
             response_cache_hits=int(tokens.response_cache_hit),
+            response_cache_tokens=tokens.delivered_tokens,
             cost_usd=cost_usd,
         )
 

@@ -310,6 +310,29 @@ async def test_a_repeated_greedy_request_is_a_cache_hit(mesh: Mesh) -> None:
     assert second.usage.cost_usd < first.usage.cost_usd / 10
 
 
+async def test_a_cache_hit_counts_nothing_against_the_budgets_and_is_summed_as_a_count(
+    mesh: Mesh,
+) -> None:
+    prompt = unique("budget of a hit")
+    async with mesh.client("carol") as carol:
+        first = await carol.generate(prompt, max_tokens=8)
+        before = await carol.usage()
+        hit = await carol.generate(prompt, max_tokens=8)
+        after = await carol.usage()
+    assert hit.usage.response_cache_hit and first.token_ids
+    # The price list: a hit runs no model, so no token counts against the budgets...
+    assert after.tokens_today == before.tokens_today
+    assert after.tokens_this_minute <= before.tokens_this_minute
+    # ...and its (small) price is in the cost; the totals count hits, no per-request flag.
+    (was,), (now,) = before.models, after.models
+    assert now.requests == was.requests + 1
+    assert now.usage.response_cache_hits == was.usage.response_cache_hits + 1
+    assert now.usage.response_cache_tokens == was.usage.response_cache_tokens + len(hit.token_ids)
+    assert now.usage.completion_tokens == was.usage.completion_tokens
+    assert now.usage.cost_usd == pytest.approx(was.usage.cost_usd + hit.usage.cost_usd)
+    assert not hasattr(now.usage, "response_cache_hit")
+
+
 async def test_sampled_requests_are_cached_only_with_a_seed(mesh: Mesh) -> None:
     prompt = unique("sampled")
     async with mesh.client() as alice:
