@@ -322,7 +322,10 @@ class ModelInfo(_message.Message):
     usd_per_gpu_hour: _builtins.float
     """Price of the accelerator hour the tier runs on, in US dollars."""
     tokens_per_second: _builtins.float
-    """Measured generation throughput of one worker, tokens per second."""
+    """Generation throughput of one worker, tokens per second: the mean of the most its workers
+    in rotation sustained (WorkerStats.peak_tokens_per_second), or the pools file's figure for
+    the tier until one of them has generated a token.
+    """
     usd_per_1k_tokens: _builtins.float
     """Derived price of 1,000 generated tokens, in US dollars."""
     context_length: _builtins.int

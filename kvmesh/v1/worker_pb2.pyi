@@ -374,6 +374,7 @@ class WorkerStats(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     KVMESH_VERSION_FIELD_NUMBER: _builtins.int
+    PEAK_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     role: Global___WorkerRole.ValueType
     """The worker's role."""
     model: _builtins.str
@@ -406,6 +407,11 @@ class WorkerStats(_message.Message):
     """The worker's kvmesh release: the router pairs a prefill and a decode worker only when
     this, model_fingerprint and layout agree (a rolling update never pairs two revisions).
     """
+    peak_tokens_per_second: _builtins.float
+    """The most generated tokens per second this worker sustained over any 10 s window since it
+    started (0 before its first token): its measured capacity, by which the router prices
+    the tier (ModelInfo.tokens_per_second) and sizes its pools.
+    """
     @_builtins.property
     def cached_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """Cached block hashes (when asked for), for prefix-affinity placement: full blocks only,
@@ -436,10 +442,11 @@ class WorkerStats(_message.Message):
         layout: _common_pb2.KvLayout | None = ...,
         context_length: _builtins.int = ...,
         kvmesh_version: _builtins.str = ...,
+        peak_tokens_per_second: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "block_size", b"block_size", "cached_block_hashes", b"cached_block_hashes", "context_length", b"context_length", "draining", b"draining", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_total", b"kv_blocks_total", "kvmesh_version", b"kvmesh_version", "layout", b"layout", "model", b"model", "model_fingerprint", b"model_fingerprint", "num_cached_blocks", b"num_cached_blocks", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "role", b"role", "running", b"running", "tokens_per_second", b"tokens_per_second", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_leases", b"active_leases", "block_size", b"block_size", "cached_block_hashes", b"cached_block_hashes", "context_length", b"context_length", "draining", b"draining", "kv_blocks_free", b"kv_blocks_free", "kv_blocks_total", b"kv_blocks_total", "kvmesh_version", b"kvmesh_version", "layout", b"layout", "model", b"model", "model_fingerprint", b"model_fingerprint", "num_cached_blocks", b"num_cached_blocks", "peak_tokens_per_second", b"peak_tokens_per_second", "prefix_cache_hit_rate", b"prefix_cache_hit_rate", "role", b"role", "running", b"running", "tokens_per_second", b"tokens_per_second", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -162,6 +162,17 @@ class PoolRegistry:
                 return worker.stats.model_fingerprint
         return None
 
+    def tokens_per_second(self, tier: str) -> float:
+        """One worker's generation throughput: the mean of the most that the tier's decoding
+        workers in rotation sustained, or the pools file's figure until one has measured it."""
+        peaks = [
+            worker.stats.peak_tokens_per_second
+            for role in (Role.DECODE, Role.COLOCATED)
+            for worker in self.in_rotation(tier, role)
+            if worker.stats is not None and worker.stats.peak_tokens_per_second > 0
+        ]
+        return sum(peaks) / len(peaks) if peaks else self.tier(tier).tokens_per_second
+
     def stats_of(self, tier: str) -> worker_pb2.WorkerStats | None:
         """Stats of any healthy worker of the tier (for block size, context length)."""
         for worker in self.workers(tier):

@@ -24,6 +24,7 @@ from kvmesh.v1 import common_pb2, gateway_pb2, router_pb2, router_pb2_grpc, work
 from services.router.monitor import WorkerMonitor
 from services.router.orchestrator import Orchestrator
 from services.router.pools import PoolRegistry, Role, WorkerState
+from services.router.tiers import usd_per_1k_tokens
 
 _tracer = tracer(__name__)
 
@@ -96,6 +97,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         models = []
         for tier in self.registry.tiers:
             stats = self.registry.stats_of(tier.name)
+            tokens_per_second = self.registry.tokens_per_second(tier.name)
             models.append(
                 gateway_pb2.ModelInfo(
                     id=tier.name,
@@ -103,8 +105,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     quantization=tier.quantization,
                     fingerprint=self.registry.fingerprint(tier.name) or "",
                     usd_per_gpu_hour=tier.usd_per_gpu_hour,
-                    tokens_per_second=tier.tokens_per_second,
-                    usd_per_1k_tokens=tier.usd_per_1k_tokens,
+                    tokens_per_second=tokens_per_second,
+                    usd_per_1k_tokens=usd_per_1k_tokens(tier.usd_per_gpu_hour, tokens_per_second),
                     context_length=stats.context_length if stats is not None else 0,
                     available=self.registry.serves(tier.name),
                     fallback=tier.fallback,

@@ -6,7 +6,7 @@ tiers:
     base_model: smollm2-135m        # what ListModels reports as the underlying model
     quantization: none
     usd_per_gpu_hour: 2.0           # price of the accelerator hour the tier runs on
-    tokens_per_second: 400          # measured throughput of one worker
+    tokens_per_second: 400          # one worker's throughput until its workers measure theirs
     fallback: smollm2-135m-int8     # tier that takes the requests when this one is down
     prefill: [127.0.0.1:50061]
     decode: [127.0.0.1:50062]
@@ -54,12 +54,12 @@ class TierSpec:
     placement: str = DEFAULT_POLICY
     """How the prompt's worker is picked: a name in services/router/policies.POLICIES."""
 
-    @property
-    def usd_per_1k_tokens(self) -> float:
-        """Price of 1,000 generated tokens on one worker running at its measured throughput."""
-        if self.tokens_per_second <= 0:
-            return 0.0
-        return self.usd_per_gpu_hour / 3600.0 / self.tokens_per_second * 1000.0
+
+def usd_per_1k_tokens(usd_per_gpu_hour: float, tokens_per_second: float) -> float:
+    """Price of 1,000 generated tokens on one worker running at `tokens_per_second`."""
+    if tokens_per_second <= 0:
+        return 0.0
+    return usd_per_gpu_hour / 3600.0 / tokens_per_second * 1000.0
 
 
 @dataclass(slots=True, frozen=True)

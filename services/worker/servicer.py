@@ -415,6 +415,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             num_cached_blocks=len(stats.cached_block_hashes),
             active_leases=len(self.leases),
             tokens_per_second=stats.tokens_per_second,
+            peak_tokens_per_second=stats.peak_tokens_per_second,
             layout=self.layout,
             context_length=self.engine.context_length,
             kvmesh_version=kvmesh_version(),

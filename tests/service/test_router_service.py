@@ -297,7 +297,22 @@ async def test_status_models_and_pool_changes(mesh: Mesh, tiny_llama_dir: Path) 
     models = {m.id: m for m in (await mesh.stub.ListModels(gateway_pb2.ListModelsRequest())).models}
     assert list(models) == ["tiny", "tiny-co", "tiny-int8"]
     assert models["tiny"].fallback == "tiny-int8" and models["tiny"].available
+    # One worker's throughput: the pools file's 1,000 tok/s until its decode worker measured
+    # its own; then the most that worker sustained, and the price follows.
+    assert models["tiny"].tokens_per_second == 1000
     assert models["tiny"].usd_per_1k_tokens == pytest.approx(0.001)
+    await route(mesh.stub, request("measured", LONG, SMALL_OUTPUT))
+    decode = mesh.workers["d0"].stub
+    peak = (await decode.Stats(worker_pb2.StatsRequest())).peak_tokens_per_second
+    assert peak > 0
+
+    async def measured() -> bool:
+        listed = await mesh.stub.ListModels(gateway_pb2.ListModelsRequest())
+        return listed.models[0].tokens_per_second == pytest.approx(peak)
+
+    assert await wait_until(measured)
+    (tiny, *_) = (await mesh.stub.ListModels(gateway_pb2.ListModelsRequest())).models
+    assert tiny.usd_per_1k_tokens == pytest.approx(3.6 / 3600 / peak * 1000)
     assert models["tiny-int8"].quantization == "int8"
     assert models["tiny"].fingerprint == models["tiny-co"].fingerprint
     assert models["tiny"].fingerprint != models["tiny-int8"].fingerprint

@@ -28,9 +28,8 @@ import asyncio
 import logging
 import os
 import shutil
-import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +52,6 @@ from services.worker.backends.kv_files import BlockFiles, make_store_dir
 from services.worker.backends.kv_wire import WIRE_FORMATS
 from services.worker.backends.vllm_constraints import VLLM_GRAMMAR_BACKENDS, structured_outputs
 from services.worker.engine.api import (
-    THROUGHPUT_WINDOW_S,
     EngineRequest,
     EngineStats,
     FinishReason,
@@ -68,6 +66,7 @@ from services.worker.engine.api import (
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_cache_manager import cdiv
 from services.worker.engine.loader import dtype_name, load_model, save_hf_folder, torch_dtype
+from services.worker.engine.throughput import ThroughputMeter
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +91,7 @@ class _Load:
     prefix_hit_tokens: int = 0
     # Prompt tokens whose KV the connector loaded (imported) instead of vLLM computing them.
     kv_loaded_tokens: int = 0
-    recent_tokens: deque[tuple[float, int]] = field(default_factory=deque)
-
-    def tokens_per_second(self) -> float:
-        horizon = time.monotonic() - THROUGHPUT_WINDOW_S
-        while self.recent_tokens and self.recent_tokens[0][0] < horizon:
-            self.recent_tokens.popleft()
-        return sum(n for _, n in self.recent_tokens) / THROUGHPUT_WINDOW_S
+    throughput: ThroughputMeter = field(default_factory=ThroughputMeter)
 
 
 class _LoadRecorder(StatLoggerBase):
@@ -123,9 +116,7 @@ class _LoadRecorder(StatLoggerBase):
             if scheduler_stats.connector_prefix_cache_stats is not None:
                 self._load.kv_loaded_tokens += scheduler_stats.connector_prefix_cache_stats.hits
         if iteration_stats is not None and iteration_stats.num_generation_tokens:
-            self._load.recent_tokens.append(
-                (time.monotonic(), iteration_stats.num_generation_tokens)
-            )
+            self._load.throughput.record(iteration_stats.num_generation_tokens)
 
     def log_engine_initialized(self) -> None:
         return
@@ -300,7 +291,8 @@ class VllmEngine:
             prefix_queries_tokens=load.prefix_queries_tokens,
             prefix_hit_tokens=load.prefix_hit_tokens,
             cached_block_hashes=list(self._known_hashes),
-            tokens_per_second=load.tokens_per_second(),
+            tokens_per_second=load.throughput.tokens_per_second(),
+            peak_tokens_per_second=load.throughput.peak_tokens_per_second(),
             layout=self.layout,
             fingerprint=self.fingerprint,
             num_held_handles=len(self._held),

@@ -236,6 +236,8 @@ class EngineStats:
     num_held_handles: int = 0
     num_preemptions: int = 0
     num_interrupted_steps: int = 0
+    peak_tokens_per_second: float = 0.0
+    """The most tokens per second sustained over a throughput window: measured capacity."""
 
 
 class EngineBackend(Protocol):

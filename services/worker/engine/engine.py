@@ -11,14 +11,12 @@ import itertools
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 
 import torch
 
 from kvmesh.contracts.tokenizer import IncrementalDetokenizer
 from services.worker.engine.api import (
-    THROUGHPUT_WINDOW_S,
     EngineRequest,
     EngineStats,
     FinishReason,
@@ -42,6 +40,7 @@ from services.worker.engine.output_processor import Emission, OutputProcessor
 from services.worker.engine.request import RequestState
 from services.worker.engine.sampler import Sampler, SampleRow
 from services.worker.engine.scheduler import ScheduledChunk, Scheduler
+from services.worker.engine.throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class Engine:
         self._ready_handles: dict[str, KvHandle] = {}
         self._pending: list[RequestOutput] = []
         self._arrivals = itertools.count()
-        self._recent_tokens: deque[tuple[float, int]] = deque()
+        self.throughput = ThroughputMeter()
         self.last_step_num_tokens = 0
         self.num_interrupted_steps = 0
 
@@ -191,7 +190,7 @@ class Engine:
             sampled, result.token_ids, result.logprobs, strict=True
         ):
             outputs.append(self._append_token(chunk.state, token_id, logprob))
-        self._record_throughput(len(sampled))
+        self.throughput.record(len(sampled))
         return outputs
 
     # ---- KV export (prefill role) -------------------------------------------------------
@@ -293,7 +292,8 @@ class Engine:
             prefix_queries_tokens=self.kv.prefix_query_tokens,
             prefix_hit_tokens=self.kv.prefix_hit_tokens,
             cached_block_hashes=self.pool.cached_hashes(),
-            tokens_per_second=self._tokens_per_second(),
+            tokens_per_second=self.throughput.tokens_per_second(),
+            peak_tokens_per_second=self.throughput.peak_tokens_per_second(),
             layout=self.layout,
             fingerprint=self.fingerprint,
             num_held_handles=self.kv.num_held,
@@ -430,19 +430,6 @@ class Engine:
             if state.request.deadline is not None and state.request.deadline <= now
         ]
         outputs.extend(self._end(state, FinishReason.DEADLINE) for state in expired)
-
-    def _record_throughput(self, num_tokens: int) -> None:
-        now = time.monotonic()
-        self._recent_tokens.append((now, num_tokens))
-        while self._recent_tokens and self._recent_tokens[0][0] < now - THROUGHPUT_WINDOW_S:
-            self._recent_tokens.popleft()
-
-    def _tokens_per_second(self) -> float:
-        if not self._recent_tokens:
-            return 0.0
-        now = time.monotonic()
-        recent = [n for t, n in self._recent_tokens if t >= now - THROUGHPUT_WINDOW_S]
-        return sum(recent) / THROUGHPUT_WINDOW_S
 
 
 def select_blocks(block_ids: list[int], indices: list[int]) -> list[int]:

@@ -70,3 +70,18 @@ def test_fingerprint_comes_from_a_healthy_worker() -> None:
     assert pools.fingerprint("t") is None
     healthy(pools, "h:1")
     assert pools.fingerprint("t") == "fp"
+
+
+def test_a_tiers_throughput_is_what_its_decoding_workers_measured() -> None:
+    pools = registry(tier("t", prefill=("h:1",), decode=("h:2", "h:3")))
+    healthy(pools, "h:1")
+    healthy(pools, "h:2")
+    assert pools.tokens_per_second("t") == 100.0  # the pools file's figure until measured
+    for address, peak in (("h:1", 900.0), ("h:2", 150.0), ("h:3", 250.0)):
+        measured = stats()
+        measured.peak_tokens_per_second = peak
+        pools.record_check(address, measured)
+    # The prefill worker's first tokens are not one worker's generation throughput.
+    assert pools.tokens_per_second("t") == 200.0
+    pools.record_check("h:3", None, "UNAVAILABLE: gone")
+    assert pools.tokens_per_second("t") == 150.0  # only workers in rotation count

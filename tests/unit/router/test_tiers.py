@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.router.tiers import TierConfigError, load_pools, parse_pools
+from services.router.tiers import TierConfigError, load_pools, parse_pools, usd_per_1k_tokens
 
 DOC = """
 tiers:
@@ -33,8 +33,8 @@ def test_load_pools(tmp_path: Path) -> None:
     assert full.fallback == "cheap" and cheap.fallback == ""
     assert cheap.quantization == "int8" and cheap.base_model == "cheap"
     # 3.6 $/h over 1000 tok/s: 1e-6 $ per token.
-    assert full.usd_per_1k_tokens == pytest.approx(0.001)
-    assert cheap.usd_per_1k_tokens == 0.0
+    assert usd_per_1k_tokens(full.usd_per_gpu_hour, full.tokens_per_second) == pytest.approx(0.001)
+    assert usd_per_1k_tokens(cheap.usd_per_gpu_hour, cheap.tokens_per_second) == 0.0
     assert pools.auto is not None and pools.auto.max_prompt_tokens == 64
     assert pools.tier("cheap") is cheap and pools.tier("nope") is None
 
