@@ -439,6 +439,26 @@ def test_draining_a_worker_lets_its_in_flight_requests_finish(stack: RunningStac
     )
 
 
+def test_a_pool_scales_up_and_back_down_again_and_again(stack: RunningStack) -> None:
+    router_metrics = stack.metrics_url(9452 + stack.offset)
+
+    def in_rotation() -> float:
+        samples = scrape(router_metrics)
+        return metric(samples, "kvmesh:router_workers_in_rotation", tier=TIER, pool="decode")
+
+    start = in_rotation()
+    for step in ("+1", "-1", "+1", "-1"):
+        reply = stack.cli("scale", "decode", step, "--target", stack.gateway, timeout=180)
+        assert reply.returncode == 0, f"scale decode {step}: {reply.stdout}{reply.stderr}"
+        expected = start + (1 if step == "+1" else 0)
+        deadline = time.monotonic() + 10
+        while in_rotation() != expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert in_rotation() == expected, f"after scale decode {step}"
+        results = asyncio.run(concurrent_streams(stack.gateway, count=2, max_tokens=MAX_TOKENS))
+        assert all(len(r.token_ids) == MAX_TOKENS for r in results), f"after {step}"
+
+
 def pid_listening_on(port: int) -> int:
     """The process whose command line serves gRPC on `port` (a service of the stack)."""
     for proc in Path("/proc").iterdir():
