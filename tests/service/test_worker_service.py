@@ -26,7 +26,9 @@ from tests.service.worker_mesh import (
     disaggregated,
     offline,
     prefill_request,
+    prompt_whose_first_two_tokens_have_text,
     request,
+    sampled,
     start_worker,
     wait_until,
 )
@@ -95,7 +97,7 @@ async def test_token_ids_and_text_leave_out_stop_strings_and_stop_tokens_alike_s
     """The contract of TokenChunk: a stop token and a stop string are in neither the ids nor
     the text, on one worker or handed off, and a first token held back by the prefill worker
     (its text may begin a stop string) reaches the caller from the decode worker."""
-    prompt, texts = await _prompt_whose_first_two_tokens_have_text(trio)
+    prompt, texts = await prompt_whose_first_two_tokens_have_text(trio.both.stub)
     free = await colocated(trio.both.stub, request("free", prompt, GREEDY))
     ids = free.token_ids
 
@@ -124,34 +126,6 @@ async def test_token_ids_and_text_leave_out_stop_strings_and_stop_tokens_alike_s
         assert result.finished.finish_reason == common_pb2.FINISH_REASON_STOP
         assert result.finished.usage.completion_tokens == before + 1
     assert await all_idle(trio.stubs)
-
-
-async def _prompt_whose_first_two_tokens_have_text(trio: Trio) -> tuple[list[int], list[str]]:
-    """A prompt of the tiny random model whose first and second greedy tokens each add text
-    (many of its tokens are partial characters), and texts[n]: its first n tokens' text."""
-    for start in range(20, 2000, 37):
-        prompt = list(range(start, start + 30))
-        texts = [""]
-        for n in (1, 2, 3):
-            result = await colocated(
-                trio.both.stub, request(f"t{start}-{n}", prompt, sampled(max_tokens=n))
-            )
-            texts.append(result.text)
-        if texts[1] and len(texts[2]) > len(texts[1]):
-            return prompt, texts
-    raise AssertionError("no prompt of the tiny model starts with two tokens of text")
-
-
-def sampled(**fields: int | list[str] | list[int]) -> common_pb2.SamplingParams:
-    """GREEDY with some fields set (max_tokens) or extended (stop, stop_token_ids)."""
-    sampling = common_pb2.SamplingParams()
-    sampling.CopyFrom(GREEDY)
-    for name, value in fields.items():
-        if isinstance(value, int):
-            setattr(sampling, name, value)
-        else:
-            getattr(sampling, name).extend(value)
-    return sampling
 
 
 def _transfer(direction: str) -> tuple[float, float]:

@@ -227,3 +227,31 @@ async def all_idle(stubs: Sequence[worker_pb2_grpc.WorkerStub], within: float = 
         for stub in stubs:
             print(await stub.Stats(worker_pb2.StatsRequest(), timeout=5))
     return settled
+
+
+async def prompt_whose_first_two_tokens_have_text(
+    stub: worker_pb2_grpc.WorkerStub,
+) -> tuple[list[int], list[str]]:
+    """A prompt of the tiny random model whose first and second greedy tokens each add text
+    (many of its tokens are partial characters), and texts[n]: its first n tokens' text."""
+    for start in range(20, 2000, 37):
+        prompt = list(range(start, start + 30))
+        texts = [""]
+        for n in (1, 2, 3):
+            result = await colocated(stub, request(f"t{start}-{n}", prompt, sampled(max_tokens=n)))
+            texts.append(result.text)
+        if texts[1] and len(texts[2]) > len(texts[1]):
+            return prompt, texts
+    raise AssertionError("no prompt of the tiny model starts with two tokens of text")
+
+
+def sampled(**fields: int | list[str] | list[int]) -> common_pb2.SamplingParams:
+    """GREEDY with some fields set (max_tokens) or extended (stop, stop_token_ids)."""
+    sampling = common_pb2.SamplingParams()
+    sampling.CopyFrom(GREEDY)
+    for name, value in fields.items():
+        if isinstance(value, int):
+            setattr(sampling, name, value)
+        else:
+            getattr(sampling, name).extend(value)
+    return sampling

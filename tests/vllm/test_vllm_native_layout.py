@@ -23,7 +23,9 @@ from tests.service.worker_mesh import (
     colocated,
     disaggregated,
     offline,
+    prompt_whose_first_two_tokens_have_text,
     request,
+    sampled,
     worker_args,
 )
 from tests.vllm.conftest import start_vllm_worker, vllm_engine
@@ -83,3 +85,29 @@ async def test_hand_off_both_ways_when_layouts_agree(pair: Pair, tiny_llama32_di
         assert out_of_vllm.token_ids == expected[index]
     assert await all_idle([pair.vllm.stub, pair.native.stub])
     assert engine.num_entries == 0
+
+
+async def test_stop_strings_and_stop_tokens_leave_the_ids_and_text_the_native_engine_leaves(
+    pair: Pair,
+) -> None:
+    """TokenChunk's contract on the vLLM backend too: a stop string or stop token is in neither
+    the ids nor the text, colocated and handed off both ways, exactly as on the native engine
+    (a stop string that begins at the first token: the prefill side holds that token back)."""
+    prompt, texts = await prompt_whose_first_two_tokens_have_text(pair.native.stub)
+    free = await colocated(pair.native.stub, request("free", prompt))
+    cases = {
+        "never-completes": sampled(stop=[texts[1] + "\x00never"]),
+        "first-two": sampled(stop=[texts[2]]),
+        "stop-token": sampled(stop_token_ids=[free.token_ids[2]]),
+    }
+    for name, sampling in cases.items():
+        native = await colocated(pair.native.stub, request(f"{name}-n", prompt, sampling))
+        expected = (native.token_ids, native.text, native.finished.finish_reason)
+        results = [
+            await colocated(pair.vllm.stub, request(f"{name}-v", prompt, sampling)),
+            await disaggregated(pair.native, pair.vllm, request(f"{name}-nv", prompt, sampling)),
+            await disaggregated(pair.vllm, pair.native, request(f"{name}-vn", prompt, sampling)),
+        ]
+        for result in results:
+            assert (result.token_ids, result.text, result.finished.finish_reason) == expected, name
+    assert await all_idle([pair.vllm.stub, pair.native.stub])

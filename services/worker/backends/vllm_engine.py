@@ -1,9 +1,11 @@
 """VllmEngine: the engine API (docs/engine_api.md) on vLLM's AsyncLLM, running in this process.
 
-Generation maps onto vLLM request for request: sampling, stop strings and token ids, seed,
-logprobs and the cache salt go into vLLM's SamplingParams and prompt; priority into vLLM's
-priority scheduling; aborts into AsyncLLM.abort; a structured-output constraint into vLLM's
-structured outputs (vllm_constraints.py). vLLM has no deadlines, so each request's deadline is
+Generation maps onto vLLM request for request: sampling, stop token ids, seed, logprobs and
+the cache salt go into vLLM's SamplingParams and prompt; what each token releases and when the
+request stops (stop strings, stop tokens, max_tokens) is decided by kvmesh's OutputProcessor
+over vLLM's token ids, as on the native engine; priority into vLLM's priority scheduling;
+aborts into AsyncLLM.abort; a structured-output constraint into vLLM's structured outputs
+(vllm_constraints.py). vLLM has no deadlines, so each request's deadline is
 a timeout here that aborts it in vLLM and ends it with DEADLINE.
 
 KV hand-off goes through kvmesh's connector (vllm_connector.py) and an entry store both sides
@@ -30,7 +32,7 @@ import os
 import shutil
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,7 @@ from kvmesh.contracts.block_hashes import hash_block_chain
 from kvmesh.contracts.constraints import ConstraintError
 from kvmesh.contracts.model_facts import read_model_facts
 from kvmesh.contracts.model_files import resolve_model_path
+from kvmesh.contracts.tokenizer import IncrementalDetokenizer
 from services.worker.backends import vllm_connector
 from services.worker.backends.kv_files import BlockFiles, make_store_dir
 from services.worker.backends.kv_wire import WIRE_FORMATS
@@ -66,6 +69,7 @@ from services.worker.engine.api import (
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_cache_manager import cdiv
 from services.worker.engine.loader import dtype_name, load_model, save_hf_folder, torch_dtype
+from services.worker.engine.output_processor import Emission, OutputProcessor
 from services.worker.engine.throughput import ThroughputMeter
 
 log = logging.getLogger(__name__)
@@ -305,7 +309,7 @@ class VllmEngine:
         self._check_new(req, req.sampling.max_tokens)
         self._remember_prompt(req)
         params = self._sampling(req.sampling, req.sampling.max_tokens)
-        async for output in self._run(req, req.prompt_token_ids, params):
+        async for output in self._run(req, params):
             yield output
 
     async def abort(self, request_id: str) -> None:
@@ -314,23 +318,43 @@ class VllmEngine:
     async def _run(
         self,
         req: EngineRequest,
-        prompt_ids: list[int],
         params: VllmSamplingParams,
         *,
-        tokens_before: int = 0,
+        first_token: tuple[int, TokenLogprob | None] | None = None,
         cached_prompt_tokens: int | None = None,
+        hold_open: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """One vLLM request's outputs as engine outputs, until it finishes or its deadline.
 
-        tokens_before: output tokens the caller already has (the imported first token).
+        kvmesh's own OutputProcessor decides what each token releases and when the request
+        stops (stop strings, stop tokens, max_tokens, the context), as on the native engine:
+        token ids and text describe the same tokens; closing vLLM's stream aborts it there.
+        first_token: the token a prefill engine sampled (its output already went out): it is
+        replayed through the processor, and vLLM continues after it.
+        hold_open: vLLM stopping at its own max_tokens (the prefill's one token) does not end
+        the request.
         """
+        processor = OutputProcessor(
+            req.sampling,
+            IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids),
+            self.tokenizer.eos_token_ids,
+            self.context_length,
+        )
+        prompt_ids = list(req.prompt_token_ids)
+        num_output = 0
+        if first_token is not None:
+            prompt_ids.append(first_token[0])
+            num_output = 1
+            replayed = processor.process(*first_token, num_output, len(prompt_ids))
+            if replayed.finish is not None:
+                yield self._output(req, Emission(finish=replayed.finish), num_output, 0)
+                return
         rid = req.request_id
         prompt = TokensPrompt(prompt_token_ids=prompt_ids)
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt.hex()
         self._live.add(rid)
         stream = self.llm.generate(prompt, params, rid, priority=int(req.priority))
-        num_output = tokens_before
         num_cached = 0
         try:
             while True:
@@ -345,29 +369,28 @@ class VllmEngine:
                         raise ValueError(str(error)) from None
                     raise ConstraintError(constraint.field, str(error)) from None
                 except TimeoutError:
-                    yield self._output(
-                        req, [], "", None, FinishReason.DEADLINE, num_output, num_cached
-                    )
+                    emission = processor.flush(FinishReason.DEADLINE)
+                    yield self._output(req, emission, num_output, num_cached)
                     return
                 completion = out.outputs[0]
-                num_output += len(completion.token_ids)
                 num_cached = (
                     cached_prompt_tokens
                     if cached_prompt_tokens is not None
                     else (out.num_cached_tokens or 0)
                 )
-                finish = _FINISH_REASONS.get(str(completion.finish_reason), FinishReason.ERROR)
-                output = self._output(
-                    req,
-                    list(completion.token_ids),
-                    completion.text,
-                    _logprobs(completion.logprobs, req.sampling.logprobs),
-                    finish if completion.finish_reason is not None else None,
-                    num_output,
-                    num_cached,
+                logprobs = _logprobs(completion.logprobs, req.sampling.logprobs)
+                emission, fed = _feed(processor, completion.token_ids, logprobs, req, num_output)
+                num_output += fed
+                sampled = (
+                    None if not fed else (completion.token_ids[fed - 1], _at(logprobs, fed - 1))
                 )
-                yield output
-                if output.finish_reason is not None:
+                ended_by_vllm = completion.finish_reason is not None and not hold_open
+                if emission.finish is None and ended_by_vllm:
+                    # vLLM ended it for a reason of its own (an abort, an error).
+                    reason = _FINISH_REASONS.get(str(completion.finish_reason), FinishReason.ERROR)
+                    emission = emission.then(processor.flush(reason))
+                yield self._output(req, emission, num_output, num_cached, sampled)
+                if emission.finish is not None or completion.finish_reason is not None:
                     return
         finally:
             self._live.discard(rid)
@@ -376,24 +399,22 @@ class VllmEngine:
     def _output(
         self,
         req: EngineRequest,
-        token_ids: list[int],
-        text: str,
-        logprobs: list[TokenLogprob] | None,
-        finish: FinishReason | None,
+        emission: Emission,
         num_output: int,
         num_cached: int,
+        sampled: tuple[int, TokenLogprob | None] | None = None,
     ) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
-            new_token_ids=token_ids,
-            text_delta=text,
-            logprobs=logprobs,
-            finish_reason=finish,
+            new_token_ids=emission.token_ids,
+            text_delta=emission.text,
+            logprobs=emission.logprobs or None,
+            finish_reason=emission.finish,
             num_prompt_tokens=len(req.prompt_token_ids),
             num_cached_prompt_tokens=num_cached,
             num_output_tokens=num_output,
-            sampled_token_id=token_ids[-1] if token_ids else None,
-            sampled_logprob=logprobs[-1] if logprobs else None,
+            sampled_token_id=None if sampled is None else sampled[0],
+            sampled_logprob=None if sampled is None else sampled[1],
         )
 
     def _sampling(
@@ -406,7 +427,8 @@ class VllmEngine:
             top_k=sampling.top_k,
             top_p=sampling.top_p,
             seed=sampling.seed,
-            stop=list(sampling.stop),
+            # Stop strings are kvmesh's (OutputProcessor in _run); the stop tokens stay vLLM's
+            # too, so that it stops computing at once.
             stop_token_ids=list(sampling.stop_token_ids),
             logprobs=sampling.logprobs,
             ignore_eos=sampling.ignore_eos,
@@ -432,10 +454,10 @@ class VllmEngine:
         params = self._sampling(req.sampling, 1, {vllm_connector.PARAM_EXPORT: key})
         outputs: list[RequestOutput] = []
         try:
-            async for output in self._run(req, req.prompt_token_ids, params):
+            async for output in self._run(req, params, hold_open=True):
                 outputs.append(output)
             first = _merge(outputs)
-            if self._ends_after_first_token(req, first):
+            if first.finish_reason is not None:
                 self._files.delete(key)
                 return first, None
             num_blocks = cdiv(len(req.prompt_token_ids), self.layout.block_size)
@@ -447,7 +469,6 @@ class VllmEngine:
             self._files.delete(key)
             raise
         self._held[key] = num_blocks
-        first.finish_reason = None
         handle = KvHandle(
             handle_id=key,
             block_ids=list(range(num_blocks)),
@@ -455,14 +476,6 @@ class VllmEngine:
             num_tokens=len(req.prompt_token_ids),
         )
         return first, handle
-
-    def _ends_after_first_token(self, req: EngineRequest, first: RequestOutput) -> bool:
-        """vLLM stopped at max_tokens=1 (LENGTH); that ends the request only if the request
-        itself allows no more tokens."""
-        if first.finish_reason != FinishReason.LENGTH:
-            return True
-        room = self.context_length - len(req.prompt_token_ids)
-        return req.sampling.max_tokens <= 1 or room <= 1
 
     async def export_blocks(self, handle_id: str, indices: list[int]) -> list[bytes]:
         """Bytes of some of a held entry's blocks (KeyError: unknown handle)."""
@@ -539,14 +552,10 @@ class VllmEngine:
         req = plan.request
         try:
             self._remember_prompt(req)
-            finish = self._first_token_finish(req, first_token_id)
             cached = entry.first_index * self.layout.block_size
-            if finish is not None:
-                yield self._output(req, [], "", None, finish, 1, cached)
-                return
             params = self._sampling(
                 req.sampling,
-                req.sampling.max_tokens - 1,
+                max(req.sampling.max_tokens - 1, 1),
                 {
                     vllm_connector.PARAM_IMPORT: {
                         "key": entry.key,
@@ -555,25 +564,15 @@ class VllmEngine:
                     }
                 },
             )
-            prompt = [*req.prompt_token_ids, first_token_id]
             async for output in self._run(
-                req, prompt, params, tokens_before=1, cached_prompt_tokens=cached
+                req,
+                params,
+                first_token=(first_token_id, first_logprob),
+                cached_prompt_tokens=cached,
             ):
                 yield output
         finally:
             self._files.delete(entry.key)
-
-    def _first_token_finish(self, req: EngineRequest, token_id: int) -> FinishReason | None:
-        """What the prefill's token alone says: the request is already over, or not."""
-        sampling = req.sampling
-        stop_ids = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids |= self.tokenizer.eos_token_ids
-        if token_id in stop_ids:
-            return FinishReason.STOP
-        if sampling.max_tokens <= 1 or len(req.prompt_token_ids) + 1 >= self.context_length:
-            return FinishReason.LENGTH
-        return None
 
     async def cancel_import(self, plan: ImportPlan) -> None:
         """Drop the entry of an import that will not be committed."""
@@ -620,6 +619,28 @@ class VllmEngine:
 def every_core() -> str:
     """VLLM_CPU_OMP_THREADS_BIND naming every core of the machine ("0-1")."""
     return f"0-{(os.cpu_count() or 1) - 1}"
+
+
+def _feed(
+    processor: OutputProcessor,
+    token_ids: Sequence[int],
+    logprobs: list[TokenLogprob] | None,
+    req: EngineRequest,
+    num_output: int,
+) -> tuple[Emission, int]:
+    """What vLLM's new tokens release, and how many were fed (up to the one that ends it)."""
+    emission = Emission()
+    for index, token_id in enumerate(token_ids):
+        done = num_output + index + 1
+        total = len(req.prompt_token_ids) + done
+        emission = emission.then(processor.process(token_id, _at(logprobs, index), done, total))
+        if emission.finish is not None:
+            return emission, index + 1
+    return emission, len(token_ids)
+
+
+def _at(logprobs: list[TokenLogprob] | None, index: int) -> TokenLogprob | None:
+    return logprobs[index] if logprobs else None
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:
