@@ -110,10 +110,6 @@ class ModelConfig:
                 f"unsupported rope_scaling type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
             )
 
-    def to_json_dict(self) -> dict[str, Any]:
-        """Canonical field dict (used for the fingerprint and for save_hf_folder)."""
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
-
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face config fields of its family (legacy rope keys, which every version
         reads)."""
