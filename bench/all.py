@@ -25,13 +25,14 @@ QUICK_ARGS: dict[str, tuple[str, ...]] = {
     "admission": ("--interactive", "10", "--cache-hits", "50", "--batch-max-in-flight", "1"),
     "mesh": ("--quick",),
     "openai_http": ("--quick",),
+    "structured": ("--quick",),
     "vllm_serve": ("--quick",),
 }
 
 
 def scripts() -> list[str]:
     """The benchmarks this environment can run, in order."""
-    names = ["engine", "disagg", "admission", "mesh", "openai_http"]
+    names = ["engine", "disagg", "admission", "mesh", "openai_http", "structured"]
     if Path(".venv-vllm/bin/python").exists():  # vllm_serve's client and server run there
         names.append("vllm_serve")
     return names
