@@ -41,12 +41,10 @@ from rich.progress import (
 from rich.table import Table
 
 from bench.report import (
-    RESULTS,
+    publish,
     repeat_command,
     save_figure,
     with_quick_defaults,
-    write_results,
-    write_section,
 )
 from kvmesh.bench_report import RequestResult, Slo, summarize
 from kvmesh.contracts.tokenizer import Tokenizer
@@ -409,11 +407,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = asyncio.run(run(args, console))
     print_table(report, console)
     if not args.no_write:
-        command = repeat_command("bench.mesh", args, parse_args)
-        results = write_results("mesh", report)
-        plot(report, RESULTS / "mesh.png")
-        write_section(markdown(report, command))
-        console.print(f"wrote {results}, {RESULTS / 'mesh.png'} and the {HEADING!r} section")
+        section = markdown(report, repeat_command("bench.mesh", args, parse_args))
+        console.print(publish("mesh", report, section, plot))
     return 0
 
 

@@ -36,12 +36,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bench.mesh import OnDone, advancing, running_stack
 from bench.report import (
-    RESULTS,
+    publish,
     repeat_command,
     save_figure,
     with_quick_defaults,
-    write_results,
-    write_section,
 )
 from kvmesh.bench_report import RequestResult, Slo, summarize
 from kvmesh.loadgen import LoadSpec, build_requests, run_load
@@ -332,10 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in verdicts(report):
         console.print(line)
     if not args.no_write:
-        results = write_results("openai_http", report)
-        plot(report, RESULTS / "openai_http.png")
-        write_section(markdown(report, repeat_command("bench.openai_http", args, parse_args)))
-        console.print(f"wrote {results}, {RESULTS / 'openai_http.png'} and the {HEADING!r} section")
+        section = markdown(report, repeat_command("bench.openai_http", args, parse_args))
+        console.print(publish("openai_http", report, section, plot))
     return 0
 
 

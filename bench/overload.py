@@ -44,12 +44,10 @@ from rich.table import Table
 from bench.mesh import quiet, running_stack
 from bench.peers import machine, timed_region
 from bench.report import (
-    RESULTS,
+    publish,
     repeat_command,
     save_figure,
     with_quick_defaults,
-    write_results,
-    write_section,
 )
 from kvmesh.bench_report import percentile
 from kvmesh.client import gateway_channel
@@ -490,11 +488,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = asyncio.run(run(args, console))
     print_table(report, console)
     if not args.no_write:
-        command = repeat_command("bench.overload", args, parse_args)
-        results = write_results("overload", report)
-        plot(report, RESULTS / "overload.png")
-        write_section(markdown(report, command))
-        console.print(f"wrote {results}, {RESULTS / 'overload.png'} and the {HEADING!r} section")
+        section = markdown(report, repeat_command("bench.overload", args, parse_args))
+        console.print(publish("overload", report, section, plot))
     return 0
 
 

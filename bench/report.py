@@ -83,6 +83,24 @@ def with_quick_defaults(
     return args
 
 
+def publish(
+    name: str,
+    report: Any,
+    section: str,
+    draw: Callable[[Any, Path], None],
+    directory: Path = RESULTS,
+    document: Path = BENCHMARKS,
+) -> str:
+    """Writes a run's `<name>.json`, its `<name>.png` (drawn by `draw`) and its section of the
+    benchmarks document; returns the line that says so."""
+    results = write_results(name, report, directory)
+    figure = directory / f"{name}.png"
+    draw(report, figure)
+    write_section(section, document)
+    heading = section.split("\n", 1)[0].removeprefix("## ")
+    return f"wrote {results}, {figure} and the {heading!r} section"
+
+
 def save_figure(fig: Any, path: Path, title: str) -> None:
     """Writes a matplotlib figure as a PNG, its title above the panels, and closes it."""
     import matplotlib.pyplot as plt

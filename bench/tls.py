@@ -31,12 +31,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from bench.mesh import PORT_OFFSET, advancing, running_stack, specs, warmup_spec
 from bench.peers import machine, timed_region
 from bench.report import (
-    RESULTS,
+    publish,
     repeat_command,
     save_figure,
     with_quick_defaults,
-    write_results,
-    write_section,
 )
 from kvmesh.bench_report import RequestResult, Slo, summarize
 from kvmesh.loadgen import run_load
@@ -233,11 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in verdicts(report):
         console.print(line)
     if not args.no_write:
-        command = repeat_command("bench.tls", args, parse_args)
-        results = write_results("tls", report)
-        plot(report, RESULTS / "tls.png")
-        write_section(markdown(report, command))
-        console.print(f"wrote {results}, {RESULTS / 'tls.png'} and the {HEADING!r} section")
+        section = markdown(report, repeat_command("bench.tls", args, parse_args))
+        console.print(publish("tls", report, section, plot))
     return 0
 
 

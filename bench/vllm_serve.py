@@ -33,7 +33,7 @@ from rich.console import Console
 from bench.mesh import running_stack
 from bench.openai_http import cpu_name
 from bench.peers import vllm_environment
-from bench.report import RESULTS, repeat_command, save_figure, write_results, write_section
+from bench.report import publish, repeat_command, save_figure
 from kvmesh.stack import StackOptions
 
 HEADING = "## vllm bench serve"
@@ -254,10 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     section = markdown(report, repeat_command("bench.vllm_serve", args, parse_args))
     console.print(section)
     if not args.no_write:
-        results = write_results("vllm_serve", report)
-        plot(report, RESULTS / "vllm_serve.png")
-        write_section(section)
-        console.print(f"wrote {results}, {RESULTS / 'vllm_serve.png'} and the {HEADING!r} section")
+        console.print(publish("vllm_serve", report, section, plot))
     return 0
 
 

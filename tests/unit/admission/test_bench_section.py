@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from bench.report import TITLE, replace_section
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.report import TITLE, publish, replace_section
 
 NEW = "## Admission\n\nnew figures\n"
 
@@ -26,3 +30,20 @@ def test_replaces_only_the_admission_section() -> None:
 def test_a_longer_heading_is_another_section() -> None:
     document = "# Benchmarks\n\n## Admission load\n\nkept\n"
     assert replace_section(document, NEW) == document + "\n" + NEW
+
+
+def test_publish_writes_the_json_the_png_and_only_its_own_section(tmp_path: Path) -> None:
+    document = tmp_path / "BENCHMARKS.md"
+    document.write_text(TITLE + "\n## Other\n\nkept\n")
+    drawn: list[Path] = []
+
+    def draw(report: Any, path: Path) -> None:
+        drawn.append(path)
+        path.write_bytes(b"png")
+
+    said = publish("demo", {"x": 1}, "## Demo\n\nfigures\n", draw, tmp_path, document)
+    assert json.loads((tmp_path / "demo.json").read_text()) == {"x": 1}
+    assert drawn == [tmp_path / "demo.png"] and (tmp_path / "demo.png").read_bytes() == b"png"
+    text = document.read_text()
+    assert "## Other\n\nkept" in text and text.rstrip().endswith("## Demo\n\nfigures")
+    assert said == f"wrote {tmp_path / 'demo.json'}, {tmp_path / 'demo.png'} and the 'Demo' section"
