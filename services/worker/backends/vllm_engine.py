@@ -379,11 +379,10 @@ class VllmEngine:
                     else (out.num_cached_tokens or 0)
                 )
                 logprobs = _logprobs(completion.logprobs, req.sampling.logprobs)
-                emission, fed = _feed(processor, completion.token_ids, logprobs, req, num_output)
-                num_output += fed
-                sampled = (
-                    None if not fed else (completion.token_ids[fed - 1], _at(logprobs, fed - 1))
+                emission, fed, sampled = _feed(
+                    processor, completion.token_ids, logprobs, req, num_output
                 )
+                num_output += fed
                 ended_by_vllm = completion.finish_reason is not None and not hold_open
                 if emission.finish is None and ended_by_vllm:
                     # vLLM ended it for a reason of its own (an abort, an error).
@@ -627,20 +626,19 @@ def _feed(
     logprobs: list[TokenLogprob] | None,
     req: EngineRequest,
     num_output: int,
-) -> tuple[Emission, int]:
-    """What vLLM's new tokens release, and how many were fed (up to the one that ends it)."""
+) -> tuple[Emission, int, tuple[int, TokenLogprob | None] | None]:
+    """What vLLM's new tokens release, how many were fed (up to the one that ends it), and
+    the last one fed with its logprob."""
     emission = Emission()
-    for index, token_id in enumerate(token_ids):
-        done = num_output + index + 1
-        total = len(req.prompt_token_ids) + done
-        emission = emission.then(processor.process(token_id, _at(logprobs, index), done, total))
+    sampled: tuple[int, TokenLogprob | None] | None = None
+    fed = 0
+    for fed, token_id in enumerate(token_ids, start=1):
+        sampled = (token_id, logprobs[fed - 1] if logprobs else None)
+        total = len(req.prompt_token_ids) + num_output + fed
+        emission = emission.then(processor.process(*sampled, num_output + fed, total))
         if emission.finish is not None:
-            return emission, index + 1
-    return emission, len(token_ids)
-
-
-def _at(logprobs: list[TokenLogprob] | None, index: int) -> TokenLogprob | None:
-    return logprobs[index] if logprobs else None
+            break
+    return emission, fed, sampled
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:

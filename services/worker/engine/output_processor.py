@@ -99,12 +99,7 @@ class OutputProcessor:
     def flush(self, finish: FinishReason | None = None) -> Emission:
         """Release everything held back (the request ends for a reason other than a stop
         string, or nothing can begin one)."""
-        emission = Emission(
-            [token.token_id for token in self._held],
-            self._held_text,
-            [token.logprob for token in self._held if token.logprob is not None],
-            finish,
-        )
+        emission = _emission(self._held, self._held_text, finish)
         self._held_text, self._held = "", []
         return emission
 
@@ -118,12 +113,8 @@ class OutputProcessor:
         if stop_at is not None:
             cut = stop_at
         released = [token for token in self._held if token.starts_at < cut]
-        emission = Emission(
-            [token.token_id for token in released],
-            self._held_text[:cut],
-            [token.logprob for token in released if token.logprob is not None],
-            None if stop_at is None else FinishReason.STOP,
-        )
+        finish = None if stop_at is None else FinishReason.STOP
+        emission = _emission(released, self._held_text[:cut], finish)
         if stop_at is not None:
             self._held_text, self._held = "", []
         else:
@@ -133,6 +124,15 @@ class OutputProcessor:
                 for token in self._held[len(released) :]
             ]
         return emission
+
+
+def _emission(tokens: list[_HeldToken], text: str, finish: FinishReason | None) -> Emission:
+    return Emission(
+        [token.token_id for token in tokens],
+        text,
+        [token.logprob for token in tokens if token.logprob is not None],
+        finish,
+    )
 
 
 def _earliest_stop(text: str, stops: Sequence[str]) -> int | None:
