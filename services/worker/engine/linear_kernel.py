@@ -41,11 +41,11 @@ _INT = ctypes.c_int64
 
 class SmallBatchLinear:
     """The CPU's Project (models/llama.py): projections of at most max_rows rows (nn.Linear in
-    float32, or Int8Linear) run through the kernel, their norm, SwiGLU and residual add fused
-    in (a bias, which only Qwen2's Q/K/V have, is added after it); larger bias-free float32
-    ones on PackedLinear when given, else those of up to TRANSPOSED_MAX_ROWS rows as torch's
-    transposed product; anything else (bigger batches without oneDNN, other modules) as
-    torch's plain product."""
+    float32, or Int8Linear) run through the kernel, their norm, SwiGLU, bias (Qwen2's Q/K/V)
+    and residual add fused in; larger float32 ones on PackedLinear when given, else those of
+    up to TRANSPOSED_MAX_ROWS rows as torch's transposed product, a bias added by the same
+    matmul either way; anything else (bigger batches without oneDNN, larger int8 ones, other
+    modules) as torch's plain product."""
 
     def __init__(
         self,
@@ -62,7 +62,8 @@ class SmallBatchLinear:
         self._function.argtypes = [
             *(_POINTER, _INT, _INT),  # x, rows, x row stride
             *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
-            *(_POINTER, _POINTER, _INT, _INT),  # weight, int8 scales (or NULL), in, outs
+            *(_POINTER, _POINTER, _POINTER),  # weight, int8 scales (or NULL), bias (or NULL)
+            *(_INT, _INT),  # in, outs
             *(_POINTER, ctypes.c_int, ctypes.c_int),  # y, accumulate, threads
         ]
         self._input_function = library.projection_input
@@ -88,12 +89,14 @@ class SmallBatchLinear:
         if weights is None or x.dim() != 2:
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
         if x.shape[0] > self.max_rows or (residual is not None and not residual.is_contiguous()):
-            if weights[1] is None and weights[2] is None:
+            weight, scales, bias = weights
+            if scales is None:
                 if self._packed is not None:
-                    return self._packed(weights[0], self.projection_input(x, norm, gated), residual)
+                    x = self.projection_input(x, norm, gated)
+                    return self._packed(weight, x, residual, bias)
                 if x.shape[0] <= TRANSPOSED_MAX_ROWS:
                     x = projection_input(x, norm, gated)
-                    return transposed_product(weights[0], x, residual)
+                    return transposed_product(weight, x, residual, bias)
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
         if norm is not None and gated:
             raise ValueError("a projection is normed or gated, not both")
@@ -118,6 +121,7 @@ class SmallBatchLinear:
             gated,
             weight.data_ptr(),
             None if scales is None else scales.data_ptr(),
+            None if bias is None else bias.data_ptr(),
             ins,
             outs,
             y.data_ptr(),
@@ -126,7 +130,7 @@ class SmallBatchLinear:
         )
         if status != 0:
             raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
-        return y if bias is None else y.add_(bias)
+        return y
 
     def projection_input(self, x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
         """f(x) of a Project in one pass of the kernel's library (torch's RMSNorm is six
@@ -154,16 +158,22 @@ class SmallBatchLinear:
 
 
 def transposed_product(
-    weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W^T computed as (W x^T)^T. With residual, the product is added into it by the matmul
-    itself (residual^T += W x^T). Otherwise returned as the transposed view: copying it into
-    rows costs more than its readers lose reading it strided (the SwiGLU's element-wise ops,
-    the next transposed product, the sampler)."""
+    """x W^T (+ bias) computed as (W x^T)^T. With residual, the product is added into it by
+    the matmul itself (residual^T += W x^T). Otherwise returned as the transposed view: copying
+    it into rows costs more than its readers lose reading it strided (the SwiGLU's element-wise
+    ops, the next transposed product, the sampler, Q/K/V's split). A bias is the matmul's
+    broadcast input (one value per output row of W x^T)."""
     if residual is None:
-        return torch.mm(weight, x.t()).t()
+        if bias is None:
+            return torch.mm(weight, x.t()).t()
+        return torch.addmm(bias.unsqueeze(1), weight, x.t()).t()
     residual.t().addmm_(weight, x.t())
-    return residual
+    return residual if bias is None else residual.add_(bias)
 
 
 class PackedLinear:
@@ -183,9 +193,14 @@ class PackedLinear:
         return len(self._reordered)
 
     def __call__(
-        self, weight: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+        self,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x, self._reorder(weight), None, "none", [], "")
+        """x W^T + bias (oneDNN adds the bias as it writes each output) (+ residual)."""
+        y = torch.ops.mkldnn._linear_pointwise(x, self._reorder(weight), bias, "none", [], "")
         return y if residual is None else residual.add_(y)
 
     def _reorder(self, weight: torch.Tensor) -> torch.Tensor:

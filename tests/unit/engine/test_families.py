@@ -21,7 +21,12 @@ from transformers import AutoModelForCausalLM
 from kvmesh.contracts.constraints import Constraint, ConstraintKind
 from services.worker.engine.api import EngineRequest, FinishReason, SamplingParams
 from services.worker.engine.decode_kernel import load_decode_kernel
-from services.worker.engine.linear_kernel import SmallBatchLinear, load_linear_kernel
+from services.worker.engine.linear_kernel import (
+    MAX_ROWS,
+    TRANSPOSED_MAX_ROWS,
+    SmallBatchLinear,
+    load_linear_kernel,
+)
 from services.worker.engine.llm import LLM
 from services.worker.engine.loader import LoadedModel, ModelLoadError, load_model, save_hf_folder
 from services.worker.engine.model_runner import BatchEntry, ModelRunner
@@ -117,6 +122,65 @@ def test_greedy_staggered_continuous_batch_matches_transformers(
     for i, expected in enumerate(hf_greedy):
         assert results[f"r{i}"].token_ids == expected, f"prompt {i} ({len(prompts[i])} tokens)"
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+WIDE_BATCH = 24
+"""Requests of the wide batch below: decode steps of up to 24 rows, past the small-batch
+kernel's MAX_ROWS (16)."""
+WIDE_BUDGET = TRANSPOSED_MAX_ROWS + 32
+"""Its token budget: the first step's prefill rows go past TRANSPOSED_MAX_ROWS (128)."""
+
+
+@pytest.fixture(scope="module")
+def wide_prompts(loaded: LoadedModel) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(13)
+    vocab = loaded.config.vocab_size
+    lengths = [5 + (7 * i) % 37 for i in range(WIDE_BATCH)]
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def hf_wide_greedy(family_dir: Path, wide_prompts: list[list[int]]) -> list[list[int]]:
+    return transformers_greedy(family_dir, wide_prompts, NUM_NEW)
+
+
+@pytest.mark.parametrize("large", ["onednn", "torch"])
+def test_greedy_across_the_kernels_row_thresholds_matches_transformers(
+    loaded: LoadedModel,
+    wide_prompts: list[list[int]],
+    hf_wide_greedy: list[list[int]],
+    large: str,
+) -> None:
+    """The small-batch kernel, then oneDNN on reordered weights or torch's transposed and
+    plain products (large_batch_linear), each adding Qwen2's Q/K/V bias itself: steps of 1 to
+    16 rows, 17 to 128 and more than 128 in one continuous batch all give transformers'
+    greedy tokens."""
+    prompts = wide_prompts
+    engine = make_engine(
+        loaded,
+        num_kv_blocks=WIDE_BATCH * 4,
+        max_num_batched_tokens=WIDE_BUDGET,
+        small_batch_linear="kernel",
+        large_batch_linear=large,
+    )
+    rows: set[int] = set()
+    project = engine.runner.project
+
+    def recorded(module: torch.nn.Module, x: torch.Tensor, **fused: Any) -> torch.Tensor:
+        rows.add(x.shape[0])
+        return project(module, x, **fused)
+
+    engine.runner.project = recorded
+    # Six prompts at once (more prefill rows than TRANSPOSED_MAX_ROWS), then one per step.
+    arrivals = {0: [EngineRequest(f"r{i}", prompts[i], GREEDY) for i in range(6)]}
+    for i in range(6, WIDE_BATCH):
+        arrivals[i - 5] = [EngineRequest(f"r{i}", prompts[i], GREEDY)]
+    results = drive(engine, arrivals)
+    assert max(rows) > TRANSPOSED_MAX_ROWS
+    assert {n for n in rows if MAX_ROWS < n <= TRANSPOSED_MAX_ROWS}
+    assert {n for n in rows if n <= MAX_ROWS}
+    for i, tokens in enumerate(hf_wide_greedy):
+        assert results[f"r{i}"].token_ids == tokens, f"prompt {i} ({len(prompts[i])} tokens)"
 
 
 def position_runner(loaded: LoadedModel, prompt_len: int, kernels: bool) -> ModelRunner:

@@ -29,9 +29,11 @@ CPU = torch.device("cpu")
 SHAPES = [(576, 960), (64, 128), (13, 7), (29, 6), (8, 3)]
 
 
-def linear(ins: int, outs: int, generator: torch.Generator) -> nn.Linear:
-    module = nn.Linear(ins, outs, bias=False)
+def linear(ins: int, outs: int, generator: torch.Generator, bias: bool = False) -> nn.Linear:
+    module = nn.Linear(ins, outs, bias=bias)
     module.weight = nn.Parameter(torch.randn(outs, ins, generator=generator))
+    if bias:  # far from zero, so that a bias left out or misplaced shows
+        module.bias = nn.Parameter(torch.randn(outs, generator=generator) * 4)
     return module
 
 
@@ -69,9 +71,10 @@ def reference(
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS])
 @pytest.mark.parametrize(("ins", "outs"), SHAPES)
-def test_kernel_matches_matmul(threads: int, rows: int, ins: int, outs: int) -> None:
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_kernel_matches_matmul(threads: int, rows: int, ins: int, outs: int, bias: bool) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + ins + outs)
-    module = linear(ins, outs, generator)
+    module = linear(ins, outs, generator, bias)
     x = torch.randn(rows, ins, generator=generator)
     with torch.inference_mode():
         got = load_linear_kernel(threads)(module, x)
@@ -116,9 +119,11 @@ class FusedCall:
 
 @pytest.mark.parametrize("rows", [1, 4, 7])
 @pytest.mark.parametrize(("ins", "outs"), SHAPES)
-@pytest.mark.parametrize("fused", ["norm", "gated", "residual", "norm+residual"])
+@pytest.mark.parametrize(
+    "fused", ["norm", "gated", "residual", "norm+residual", "gated+bias+residual"]
+)
 def test_fused_work_matches_torch(rows: int, ins: int, outs: int, fused: str) -> None:
-    module = linear(ins, outs, torch.Generator().manual_seed(ins + outs))
+    module = linear(ins, outs, torch.Generator().manual_seed(ins + outs), bias="bias" in fused)
     call = FusedCall.of(ins, outs, rows, fused, seed=rows * 1000 + ins * 10 + outs)
     expected = call.expected(module)
     torch.testing.assert_close(call.run(project_with_torch, module), expected, atol=1e-4, rtol=1e-4)
@@ -129,7 +134,9 @@ def test_fused_work_matches_torch(rows: int, ins: int, outs: int, fused: str) ->
         for project in (project_with_torch, load_linear_kernel(2)):
             residual = call.residual.clone()
             with torch.inference_mode():
-                got = project(module, call.x.clone(), residual=residual, norm=call.norm)
+                got = project(
+                    module, call.x.clone(), residual=residual, norm=call.norm, gated=call.gated
+                )
             # In place: the layers read the residual afterwards, not the returned tensor.
             assert got is residual
             torch.testing.assert_close(residual, expected, atol=1e-4, rtol=1e-4)
@@ -137,9 +144,10 @@ def test_fused_work_matches_torch(rows: int, ins: int, outs: int, fused: str) ->
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS])
 @pytest.mark.parametrize(("ins", "outs"), SHAPES)
-@pytest.mark.parametrize("fused", ["", "norm", "gated+residual"])
+@pytest.mark.parametrize("fused", ["", "norm", "gated+residual", "bias", "norm+bias"])
 def test_int8_weights_are_scaled_per_output(rows: int, ins: int, outs: int, fused: str) -> None:
-    module = Int8Linear(linear(ins, outs, torch.Generator().manual_seed(ins * 7 + outs)))
+    generator = torch.Generator().manual_seed(ins * 7 + outs)
+    module = Int8Linear(linear(ins, outs, generator, bias="bias" in fused))
     call = FusedCall.of(ins, outs, rows, fused, seed=rows * 100 + ins * 7 + outs)
     # float32 activations against the dequantized weight (torch's int8 matmul rounds them to
     # bf16, so it is only within ~1e-2 of this).
@@ -177,20 +185,24 @@ def test_each_projection_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None
     project = SmallBatchLinear(load_library("small_batch_linear"), num_threads=1, max_rows=4)
     module = linear(16, 8, generator)
     quantized = Int8Linear(module)
-    with_bias = nn.Linear(16, 8)
+    with_bias = linear(16, 8, generator, bias=True)
     quantized_with_bias = Int8Linear(with_bias)
     transposed = nn.Linear(16, 8, bias=False)
     transposed.weight = nn.Parameter(torch.randn(16, 8, generator=generator).T)
     few, some = torch.randn(4, 16, generator=generator), torch.randn(5, 16, generator=generator)
     many = torch.randn(TRANSPOSED_MAX_ROWS + 1, 16, generator=generator)
     cases: dict[str, list[tuple[nn.Module, torch.Tensor]]] = {
-        # A bias (Qwen2's Q/K/V) is added after the kernel's product.
+        # A bias (Qwen2's Q/K/V) takes the bias-free projection's path: no fallback for it.
         "kernel": [(module, few), (quantized, few), (with_bias, few), (quantized_with_bias, few)],
-        "transposed_product": [(module, some), (module, torch.randn(TRANSPOSED_MAX_ROWS, 16))],
+        "transposed_product": [
+            (module, some),
+            (module, torch.randn(TRANSPOSED_MAX_ROWS, 16)),
+            (with_bias, some),
+        ],
         "project_with_torch": [
             (module, many),
+            (with_bias, many),
             (quantized, some),
-            (with_bias, some),
             (quantized_with_bias, some),
             (transposed, few),
         ],
@@ -206,9 +218,9 @@ def test_each_projection_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.parametrize("rows", [MAX_ROWS + 1, 64, TRANSPOSED_MAX_ROWS])
-@pytest.mark.parametrize("fused", ["", "norm", "gated+residual"])
+@pytest.mark.parametrize("fused", ["", "norm", "gated+residual", "bias", "norm+bias+residual"])
 def test_transposed_product_matches(rows: int, fused: str) -> None:
-    module = linear(64, 96, torch.Generator().manual_seed(rows))
+    module = linear(64, 96, torch.Generator().manual_seed(rows), bias="bias" in fused)
     call = FusedCall.of(64, 96, rows, fused, seed=rows)
     torch.testing.assert_close(
         call.run(load_linear_kernel(2), module), call.expected(module), atol=1e-4, rtol=1e-4
@@ -216,15 +228,17 @@ def test_transposed_product_matches(rows: int, fused: str) -> None:
     if call.residual is not None:  # the matmul adds into the residual itself
         residual = call.residual.clone()
         with torch.inference_mode():
-            load_linear_kernel(2)(module, call.x.clone(), gated=call.gated, residual=residual)
+            load_linear_kernel(2)(
+                module, call.x.clone(), norm=call.norm, gated=call.gated, residual=residual
+            )
         torch.testing.assert_close(residual, call.expected(module), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fused", ["", "norm", "gated+residual"])
+@pytest.mark.parametrize("fused", ["", "norm", "gated+residual", "bias", "norm+bias+residual"])
 def test_larger_steps_run_on_weights_reordered_once(fused: str) -> None:
     packed = PackedLinear()
     project = SmallBatchLinear(load_library("small_batch_linear"), 1, max_rows=4, packed=packed)
-    module = linear(64, 96, torch.Generator().manual_seed(3))
+    module = linear(64, 96, torch.Generator().manual_seed(3), bias="bias" in fused)
     for rows in (5, TRANSPOSED_MAX_ROWS, 512):  # prefill chunks too
         call = FusedCall.of(64, 96, rows, fused, seed=rows)
         torch.testing.assert_close(
@@ -233,7 +247,9 @@ def test_larger_steps_run_on_weights_reordered_once(fused: str) -> None:
         if call.residual is not None:
             residual = call.residual.clone()
             with torch.inference_mode():
-                got = project(module, call.x.clone(), gated=call.gated, residual=residual)
+                got = project(
+                    module, call.x.clone(), norm=call.norm, gated=call.gated, residual=residual
+                )
             assert got is residual
             torch.testing.assert_close(residual, call.expected(module), atol=1e-4, rtol=1e-4)
     assert packed.num_reordered == 1  # reordered on first use, then reused

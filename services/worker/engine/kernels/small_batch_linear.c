@@ -11,6 +11,7 @@
  * of the step in torch (each op is a dispatch), so it is folded in here:
  *   norm_weight != NULL  f(x) = RMSNorm(x) = x / sqrt(mean(x^2) + eps) * norm_weight
  *   gated                x is [gate | up] (2 * in wide) and f(x) = silu(gate) * up (SwiGLU)
+ *   bias != NULL         y = f(x) W^T + bias (Qwen2's Q/K/V), added as each output is stored
  *   accumulate           y += f(x) W^T (the residual add) instead of y = f(x) W^T
  *
  * Layouts:
@@ -116,20 +117,21 @@ ALWAYS_INLINE void one_row(const float *restrict x, const void *w, int64_t in, i
     }
 }
 
-/* y[m, n] (+)= dot * scale of output n, for the outputs [n, n + count) of row m. */
-static inline void store(float *y, const float *dots, const uint16_t *scales, int64_t count,
-                         int accumulate) {
+/* y[m, n] (+)= dot * scale of output n (+ bias of output n), for the outputs [n, n + count)
+ * of row m. */
+static inline void store(float *y, const float *dots, const uint16_t *scales, const float *bias,
+                         int64_t count, int accumulate) {
     for (int64_t c = 0; c < count; c++) {
         const float value = scales == NULL ? dots[c] : dots[c] * bf16_to_float(scales[c]);
-        y[c] = value + (accumulate ? y[c] : 0.f);
+        y[c] = value + (bias == NULL ? 0.f : bias[c]) + (accumulate ? y[c] : 0.f);
     }
 }
 
-/* Outputs [n, n + 4) of every row, w and scales pointing at output n: the four weight rows
- * are read from memory once. */
+/* Outputs [n, n + 4) of every row, w, scales and bias pointing at output n: the four weight
+ * rows are read from memory once. */
 ALWAYS_INLINE void four_outputs(const float *x, int64_t rows, int64_t x_stride, const void *w,
-                                const uint16_t *scales, int quantized, int64_t in, float *y,
-                                int64_t outs, int accumulate) {
+                                const uint16_t *scales, const float *bias, int quantized,
+                                int64_t in, float *y, int64_t outs, int accumulate) {
     float dots[8];
     for (int64_t m = 0; m < rows; m += 2) {
         const int pair = m + 1 < rows;
@@ -138,19 +140,19 @@ ALWAYS_INLINE void four_outputs(const float *x, int64_t rows, int64_t x_stride, 
         else
             one_row(x + m * x_stride, w, in, quantized, dots);
         for (int64_t r = 0; r <= pair; r++)
-            store(y + (m + r) * outs, dots + 4 * r, scales, WEIGHT_ROWS, accumulate);
+            store(y + (m + r) * outs, dots + 4 * r, scales, bias, WEIGHT_ROWS, accumulate);
     }
 }
 
 /* Output n of every row (the last outs % 4 outputs). */
 static void one_output(const float *x, int64_t rows, int64_t x_stride, const void *w,
-                       const uint16_t *scales, int64_t in, float *y, int64_t outs,
-                       int accumulate) {
+                       const uint16_t *scales, const float *bias, int64_t in, float *y,
+                       int64_t outs, int accumulate) {
     for (int64_t m = 0; m < rows; m++) {
         const float *xm = x + m * x_stride;
         float dot = 0.f;
         for (int64_t k = 0; k < in; k++) dot += weight1(w, k, scales != NULL) * xm[k];
-        store(y + m * outs, &dot, scales, 1, accumulate);
+        store(y + m * outs, &dot, scales, bias, 1, accumulate);
     }
 }
 
@@ -185,10 +187,11 @@ void projection_input(const float *x, int64_t rows, int64_t x_stride, const floa
 }
 
 /* Returns 0, or -1 when the scratch rows for f(x) cannot be allocated. w is float32, or int8
- * when scales (bfloat16, one per output) is not NULL. */
+ * when scales (bfloat16, one per output) is not NULL; bias (float32, one per output) or NULL. */
 int small_batch_linear(const float *x, int64_t rows, int64_t x_stride, const float *norm_weight,
-                       float eps, int gated, const void *w, const uint16_t *scales, int64_t in,
-                       int64_t outs, float *y, int accumulate, int num_threads) {
+                       float eps, int gated, const void *w, const uint16_t *scales,
+                       const float *bias, int64_t in, int64_t outs, float *y, int accumulate,
+                       int num_threads) {
     float *scratch = NULL;
     if (norm_weight != NULL || gated) {
         scratch = malloc((size_t)(rows * in) * sizeof(float));
@@ -209,17 +212,20 @@ int small_batch_linear(const float *x, int64_t rows, int64_t x_stride, const flo
     if (scales == NULL) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t g = 0; g < groups; g++)
-            four_outputs(x, rows, x_stride, (const float *)w + g * group_size, NULL, 0, in,
-                         y + g * WEIGHT_ROWS, outs, accumulate);
+            four_outputs(x, rows, x_stride, (const float *)w + g * group_size, NULL,
+                         bias == NULL ? NULL : bias + g * WEIGHT_ROWS, 0, in, y + g * WEIGHT_ROWS,
+                         outs, accumulate);
     } else {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
         for (int64_t g = 0; g < groups; g++)
             four_outputs(x, rows, x_stride, (const int8_t *)w + g * group_size,
-                         scales + g * WEIGHT_ROWS, 1, in, y + g * WEIGHT_ROWS, outs, accumulate);
+                         scales + g * WEIGHT_ROWS, bias == NULL ? NULL : bias + g * WEIGHT_ROWS, 1,
+                         in, y + g * WEIGHT_ROWS, outs, accumulate);
     }
     for (int64_t n = groups * WEIGHT_ROWS; n < outs; n++)
         one_output(x, rows, x_stride, weights + (size_t)(n * in) * weight_bytes,
-                   scales == NULL ? NULL : scales + n, in, y + n, outs, accumulate);
+                   scales == NULL ? NULL : scales + n, bias == NULL ? NULL : bias + n, in, y + n,
+                   outs, accumulate);
     free(scratch);
     return 0;
 }
