@@ -10,18 +10,22 @@ began is one `data: {"error": ...}` event, then `data: [DONE]`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel
 
-from kvmesh.client import GenerationResult
+from kvmesh.client import Chunk, GenerationResult
 from kvmesh.tool_format import free_text_end, split_answer
 from services.openai_http import schemas, translation
 from services.openai_http.generation import Event, Generation
 from services.openai_http.translation import Plan
 
 DONE = b"data: [DONE]\n\n"
+
+TEXT_SLOT = "kvmesh:text-slot"
+"""Stands in for a content chunk's text in the frame written once per choice (see _text)."""
 
 _NO_EXTRAS = {"kvmesh": True, "choices": {"__all__": {"kvmesh_finish_reason"}}}
 """Content chunks carry neither kvmesh's reason nor its info object (both only at the end)."""
@@ -44,6 +48,8 @@ class StreamTranslator:
         """Each chat choice's text so far."""
         self._sent: dict[int, int] = {}
         """How much of it went out as content."""
+        self._text_frames: dict[int, tuple[bytes, bytes]] = {}
+        """Each choice's content-chunk frame before and after its text (see _text)."""
         self._content_exclude: dict[str, Any] = dict(_NO_EXTRAS)
         self._final_exclude: dict[str, Any] = {}
         if not plan.include_usage:
@@ -68,10 +74,12 @@ class StreamTranslator:
                 content = self._content(event.choice, chunk.text)
                 if not content and not chunk.logprobs:
                     return []
-                logprobs = (
-                    translation.chat_logprobs(chunk.logprobs) if self._plan.logprobs else None
-                )
+                if not self._plan.logprobs:
+                    return [self._text(event.choice, content)]
+                logprobs = translation.chat_logprobs(chunk.logprobs)
                 return [self._chat(event.choice, schemas.Delta(content=content), logprobs)]
+            if not self._plan.logprobs:
+                return [self._text(event.choice, chunk.text)]
             return [self._completion_text(event)]
         assert event.result is not None
         self._results[event.choice] = event.result
@@ -110,6 +118,10 @@ class StreamTranslator:
             frames.append(self._chat(choice, schemas.Delta(tool_calls=calls)))
         return frames
 
+    def all_finished(self) -> bool:
+        """Every choice has its result (what follows is the usage chunk and [DONE])."""
+        return len(self._results) == len(self._plan.requests)
+
     def usage_frame(self) -> bytes:
         """The last chunk before [DONE], when the request asked for usage."""
         results = [self._results[i] for i in sorted(self._results)]
@@ -137,6 +149,20 @@ class StreamTranslator:
             choices=[schemas.ChatChunkChoice(index=choice, delta=delta, logprobs=logprobs)],
         )
         return frame(body, self._content_exclude)
+
+    def _text(self, choice: int, text: str) -> bytes:
+        """A content chunk without logprobs: the choice's chunk frame, written by pydantic once
+        with TEXT_SLOT for its text, around this text as a JSON string (the same bytes, with
+        no model built per chunk)."""
+        around = self._text_frames.get(choice)
+        if around is None:
+            if self._plan.kind == "chat":
+                whole = self._chat(choice, schemas.Delta(content=TEXT_SLOT))
+            else:
+                whole = self._completion_text(Event(choice, chunk=Chunk(TEXT_SLOT, ())))
+            before, _, after = whole.partition(json.dumps(TEXT_SLOT).encode())
+            around = self._text_frames[choice] = (before, after)
+        return around[0] + json.dumps(text, ensure_ascii=False).encode() + around[1]
 
     def _completion_text(self, event: Event) -> bytes:
         assert event.chunk is not None
@@ -200,15 +226,21 @@ async def event_stream(
     cancels every call."""
     translator = StreamTranslator(plan)
     try:
-        for data in translator.frames(first):
+        if data := b"".join(translator.frames(first)):
             yield data
         failed = False
+        ending = b""
         async for event in events:
-            for data in translator.frames(event):
-                yield data
+            # The frames of one event in one write, and the last event's with the usage chunk
+            # and [DONE]: each write is a send(2) and, the socket being TCP_NODELAY, a packet.
+            if data := b"".join(translator.frames(event)):
+                if event.result is not None and translator.all_finished():
+                    ending = data
+                else:
+                    yield data
             failed = event.error is not None
         if plan.include_usage and not failed:
-            yield translator.usage_frame()
-        yield DONE
+            ending += translator.usage_frame()
+        yield ending + DONE
     finally:
         await generation.aclose()

@@ -22,7 +22,11 @@ def create_engine(
     if kind == "native":
         from services.worker.engine.async_engine import AsyncEngine
 
-        return AsyncEngine.from_config(config)
+        engine = AsyncEngine.from_config(config)
+        # The grammar backend's tokenizer tables (seconds) at start, on a compile thread: not
+        # on the first constrained request, whose compile has a time limit.
+        engine.engine.grammars.preload()
+        return engine
     if kind == "vllm":
         from services.worker.backends.vllm_engine import VllmEngine
 

@@ -95,11 +95,10 @@ class GrammarCompiler:
         vocab_size: int,
         max_rows: int,
     ) -> None:
-        """make_backend runs once, on a compile thread, at the first constrained request (the
-        libraries and their tokenizer tables take seconds to load)."""
+        """make_backend runs once, on a compile thread, at preload() or else at the first
+        constrained request (the libraries and their tokenizer tables take seconds to load)."""
         self._make_backend = make_backend
-        self._backend: GrammarBackend | None = None
-        self._backend_lock = threading.Lock()
+        self._loading: Future[GrammarBackend] | None = None
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvmesh-grammar")
         self.timeout_s = timeout_s
         self._cache_entries = cache_entries
@@ -113,8 +112,22 @@ class GrammarCompiler:
 
     # ---- compiling (any thread) ---------------------------------------------------------
 
+    def preload(self) -> None:
+        """Starts building the backend now, on a compile thread (a worker calls this at start,
+        so that its first constrained request waits for its own compile only)."""
+        self._load()
+
+    def _load(self) -> Future[GrammarBackend]:
+        """The backend's build, submitted once and before any compile: the pool runs tasks in
+        order, so a compile thread waiting for the build never holds the thread it needs."""
+        with self._lock:
+            if self._loading is None:
+                self._loading = self._pool.submit(self._make_backend)
+            return self._loading
+
     def submit(self, constraint: Constraint) -> Future[object]:
         """The compile of this constraint: started now, in flight, or done (cached)."""
+        self._load()
         with self._lock:
             future = self._compiled.get(constraint)
             if future is not None:
@@ -131,15 +144,20 @@ class GrammarCompiler:
             return future
 
     def wait(self, constraint: Constraint) -> object:
-        """Block until compiled; ConstraintError when refused or past the time limit."""
+        """Block until compiled; ConstraintError when refused or past the time limit, which
+        counts from the moment the backend is built (its build is once per process, however
+        loaded the machine, and says nothing about the constraint)."""
+        compiling = self.submit(constraint)
+        self.backend()
         try:
-            return self.submit(constraint).result(timeout=self.timeout_s)
+            return compiling.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
             raise self._timed_out(constraint) from None
 
     async def wait_async(self, constraint: Constraint) -> None:
         """wait() for the event loop: the loop keeps running; other waiters keep waiting."""
         future = asyncio.wrap_future(self.submit(constraint))
+        await asyncio.wrap_future(self._load())
         try:
             await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
         except TimeoutError:
@@ -154,10 +172,8 @@ class GrammarCompiler:
         return self.backend().compile(constraint)
 
     def backend(self) -> GrammarBackend:
-        with self._backend_lock:
-            if self._backend is None:
-                self._backend = self._make_backend()
-            return self._backend
+        """The backend, built first if need be (blocking)."""
+        return self._load().result()
 
     def matcher(self, constraint: Constraint) -> GrammarMatcher:
         """A matcher at the start of the constraint's grammar (compiled first if need be)."""

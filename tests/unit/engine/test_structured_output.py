@@ -288,6 +288,55 @@ def test_a_compile_past_its_time_limit_is_refused(tiny_loaded: LoadedModel) -> N
     backend.gate.set()
 
 
+class SlowBuild:
+    """A backend whose build waits for a gate (the tokenizer tables of a loaded machine)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.builds = 0
+
+    def __call__(self) -> SlowBuild:
+        self.gate.wait()
+        self.builds += 1
+        return self
+
+    def compile(self, constraint: Constraint) -> object:
+        return constraint.text
+
+
+def slow_compiler(build: SlowBuild, timeout_s: float) -> GrammarCompiler:
+    return GrammarCompiler(
+        build,  # type: ignore[arg-type]
+        threads=1, timeout_s=timeout_s, cache_entries=4, vocab_size=64, max_rows=2,
+    )  # fmt: skip
+
+
+def test_preload_builds_the_backend_once_and_before_any_compile() -> None:
+    build = SlowBuild()
+    build.gate.set()
+    compiler = slow_compiler(build, timeout_s=60)
+    compiler.preload()
+    assert compiler.backend() is build and build.builds == 1
+    assert compiler.wait(Constraint(ConstraintKind.REGEX, "a+")) == "a+"
+    assert build.builds == 1
+
+
+def test_a_compile_time_limit_does_not_count_the_backend_build() -> None:
+    """The first constrained request of a process whose backend build outlasts the time limit
+    (one thread: its compile even queues behind the build) still compiles."""
+    build = SlowBuild()
+    compiler = slow_compiler(build, timeout_s=0.05)
+    compiled: list[object] = []
+    waiter = threading.Thread(
+        target=lambda: compiled.append(compiler.wait(Constraint(ConstraintKind.REGEX, "b+")))
+    )
+    waiter.start()
+    waiter.join(0.3)  # past the time limit, the build still waiting for its gate
+    build.gate.set()
+    waiter.join()
+    assert compiled == ["b+"]
+
+
 async def test_a_request_waiting_for_its_grammar_holds_up_nobody(
     tiny_loaded: LoadedModel,
 ) -> None:

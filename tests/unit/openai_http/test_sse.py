@@ -6,13 +6,15 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvmesh.client import Chunk, GenerationResult, TokenLogprob, ToolCallInfo, UsageInfo
 from kvmesh.errors import ResourceExhausted
 from kvmesh.v1 import common_pb2
 from services.openai_http import schemas, translation
 from services.openai_http.generation import Event
-from services.openai_http.sse import DONE, StreamTranslator
+from services.openai_http.sse import DONE, StreamTranslator, frame
 from services.openai_http.translation import DoorHeaders
 
 pytestmark = pytest.mark.unit
@@ -136,3 +138,24 @@ def test_a_tool_call_streams_as_one_tool_calls_delta_and_never_as_content(
         }  # fmt: skip
     reason = decode(finish)["choices"][0]["finish_reason"]
     assert reason == ("tool_calls" if calls else "length")
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@given(text=st.text(min_size=1))
+def test_a_content_chunk_has_the_bytes_pydantic_writes(kind: str, text: str) -> None:
+    """The per-choice frame around the text (written once) gives the bytes of the chunk model,
+    for any text: quotes, backslashes, control characters, non-ASCII."""
+    translator = StreamTranslator(plan(kind, stream=True, stream_options={"include_usage": True}))
+    translator.frames(Event(0, started=common_pb2.Started(request_id="r0", model="s")))
+    [sent] = translator.frames(Event(0, chunk=Chunk(text, (1,))))
+    if kind == "chat":
+        choice: Any = schemas.ChatChunkChoice(index=0, delta=schemas.Delta(content=text))
+        body: Any = schemas.ChatCompletionChunk(
+            id="chatcmpl-r0", created=0, model="s", choices=[choice]
+        )
+    else:
+        choice = schemas.CompletionChunkChoice(index=0, text=text)
+        body = schemas.CompletionChunk(id="cmpl-r0", created=0, model="s", choices=[choice])
+    body.created = translator._plan.created
+    exclude = {"kvmesh": True, "choices": {"__all__": {"kvmesh_finish_reason"}}}
+    assert sent == frame(body, exclude)
