@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +134,22 @@ class StructuralTag:
     structures: tuple[Structure, ...]
     stop_after_first: bool
     """The answer ends after its first structure."""
+
+    def triggered_tags(self, content: Callable[[Structure], dict[str, Any]]) -> dict[str, Any]:
+        """The tag as xgrammar's structural tag of the triggered-tags format (stop_after_first
+        included), each structure's value written by `content`: the native engine's xgrammar
+        backend gives a strict JSON grammar, vLLM's a JSON Schema."""
+        tags = [
+            {"type": "tag", "begin": s.begin, "content": content(s), "end": s.end}
+            for s in self.structures
+        ]
+        triggered = {
+            "type": "triggered_tags",
+            "triggers": list(self.triggers),
+            "tags": tags,
+            "stop_after_first": self.stop_after_first,
+        }
+        return {"type": "structural_tag", "format": triggered}
 
     def as_json(self) -> str:
         """The JSON text SamplingParams.structural_tag carries."""

@@ -64,22 +64,9 @@ def _structural_tag(constraint: Constraint, grammar_backend: str) -> str:
     older triggers + structures form, which cannot stop after the first structure."""
     tag = structural_tag(constraint.text)
     if grammar_backend == "xgrammar":
-        tags = [
-            {
-                "type": "tag",
-                "begin": s.begin,
-                "content": {"type": "json_schema", "json_schema": s.schema},
-                "end": s.end,
-            }
-            for s in tag.structures
-        ]
-        triggered = {
-            "type": "triggered_tags",
-            "triggers": list(tag.triggers),
-            "tags": tags,
-            "stop_after_first": tag.stop_after_first,
-        }
-        return json.dumps({"type": "structural_tag", "format": triggered})
+        return json.dumps(
+            tag.triggered_tags(lambda s: {"type": "json_schema", "json_schema": s.schema})
+        )
     if tag.stop_after_first:
         raise ConstraintError(
             f"{constraint.field}.stop_after_first",

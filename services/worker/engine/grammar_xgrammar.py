@@ -79,23 +79,9 @@ def strict_json_ebnf(schema: str) -> str:
 def triggered_tags(text: str) -> dict[str, object]:
     """A kvmesh structural tag as xgrammar's triggered-tags format (each structure's value a
     strict JSON grammar, as above)."""
-    tag = structural_tag(text)
-    tags = [
-        {
-            "type": "tag",
-            "begin": s.begin,
-            "content": {"type": "grammar", "grammar": strict_json_ebnf(json.dumps(s.schema))},
-            "end": s.end,
-        }
-        for s in tag.structures
-    ]
-    triggered = {
-        "type": "triggered_tags",
-        "triggers": list(tag.triggers),
-        "tags": tags,
-        "stop_after_first": tag.stop_after_first,
-    }
-    return {"type": "structural_tag", "format": triggered}
+    return structural_tag(text).triggered_tags(
+        lambda s: {"type": "grammar", "grammar": strict_json_ebnf(json.dumps(s.schema))}
+    )
 
 
 class _Matcher:
