@@ -184,17 +184,20 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "every core, on the same CPU cores. One after the other, never at once.",
         "",
         "| server | backend | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
-        "| ITL p50 ms |",
-        "|---|---|---|---|---|---|---|",
+        "| ITL p50 ms | completed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for server in ("kvmesh", "vllm"):
         for backend, r in report[server].items():
-            lines.append(
-                f"| {server} | {backend} | {r['output_throughput']:.1f} "
-                f"| {r['median_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} "
-                f"| {r['median_tpot_ms']:.1f} | {r['median_itl_ms']:.1f} |"
-            )
+            figures = " | ".join(_number(r.get(key)) for key in METRICS)
+            done = f"{r.get('completed')} of {r.get('num_prompts')}"
+            lines.append(f"| {server} | {backend} | {figures} | {done} |")
     return "\n".join(lines) + "\n"
+
+
+def _number(value: Any) -> str:
+    """A figure of vLLM's result, or "-" where its client did not report it."""
+    return "-" if value is None else f"{value:.1f}"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -211,7 +214,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     for ax, (title, key) in zip(axes, panels, strict=True):
         for shift, (server, color) in enumerate((("kvmesh", "C0"), ("vllm", "C7"))):
             xs = [i + (shift - 0.5) * width for i in range(len(backends))]
-            ax.bar(xs, [report[server][b][key] for b in backends], width, label=server, color=color)
+            values = [report[server][b].get(key) or 0.0 for b in backends]
+            ax.bar(xs, values, width, label=server, color=color)
         ax.set_xticks(range(len(backends)))
         ax.set_xticklabels(backends)
         ax.set_title(title, fontsize=9)
