@@ -1,7 +1,7 @@
 """Admission control: a bounded priority queue in front of the router.
 
 At most the concurrency limit's requests run toward the router at once (limiter.py: fixed at
-`max_in_flight`, or adaptive and bounded by it), and batch requests may hold at most their
+`max_in_flight`, or adaptive between a floor and it), and batch requests may hold at most their
 share of those slots (`batch_max_in_flight / max_in_flight`), so an interactive request
 always finds a slot soon. A freed slot goes to the oldest interactive waiter first, then to
 the oldest batch waiter: batch work yields to interactive work. A request that finds no free
@@ -60,11 +60,16 @@ class Ticket:
     admitted_at: float
     queued_s: float
     released: bool = field(default=False)
+    measured: bool = False
+    """Set before release when the request's end says how fast the workers served it (a
+    whole answer or a missed deadline; a cancel says nothing): the limit learns from it."""
     output_tokens: int = 0
-    """Tokens of the request's whole answer, set before release: the limit learns its
-    latency per token (0: nothing to learn, e.g. a cancelled request)."""
-    dropped: bool = False
-    """The request failed for load (missed its deadline, failed downstream)."""
+    """Tokens the request produced, set with `measured`."""
+    missed_deadline: bool = False
+    """Set with `measured`: the request ran into its deadline."""
+    expected_in_time: bool = False
+    """The admission expected the request to finish before its deadline (its expected
+    service time fitted the time it had left when it got its slot)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -139,7 +144,8 @@ class AdmissionQueue:
             # A free slot: it costs no other request anything, so even a request that
             # cannot finish in time runs, and gets what its deadline allows (DEADLINE).
             self._take_slot(priority)
-            return Ticket(priority, admitted_at=arrived, queued_s=0.0)
+            fits = _fits(arrived, deadline, service_s)
+            return Ticket(priority, admitted_at=arrived, queued_s=0.0, expected_in_time=fits)
         self._shed_if_hopeless(priority, arrived, deadline, service_s)
         waiter = _Waiter(asyncio.get_running_loop().create_future(), deadline, service_s)
         self._waiting[priority].append(waiter)
@@ -161,7 +167,8 @@ class AdmissionQueue:
         finally:
             self._publish(priority)
         now = self._clock()
-        return Ticket(priority, admitted_at=now, queued_s=now - arrived)
+        fits = _fits(now, deadline, service_s)
+        return Ticket(priority, admitted_at=now, queued_s=now - arrived, expected_in_time=fits)
 
     def release(self, ticket: Ticket) -> None:
         """Returns the slot and hands it to the next waiter (idempotent); a ticket that
@@ -175,8 +182,9 @@ class AdmissionQueue:
         self._hold_s = (
             held if self._hold_s is None else ((1 - _SMOOTHING) * self._hold_s + _SMOOTHING * held)
         )
-        if ticket.output_tokens or ticket.dropped:
-            self.limiter.observe(held / max(ticket.output_tokens, 1), in_flight, ticket.dropped)
+        if ticket.measured:
+            late = ticket.missed_deadline and ticket.expected_in_time
+            self.limiter.observe(held / max(ticket.output_tokens, 1), in_flight, late)
         metrics.REQUESTS_RUNNING.labels(ticket.priority.name.lower()).set(
             self._running[ticket.priority]
         )
@@ -254,6 +262,11 @@ class AdmissionQueue:
 
     def _publish(self, priority: PriorityClass) -> None:
         metrics.REQUESTS_WAITING.labels(priority.name.lower()).set(self.waiting(priority))
+
+
+def _fits(now: float, deadline: float | None, service_s: float | None) -> bool:
+    """Started now, a request of `service_s` is expected to finish before `deadline`."""
+    return deadline is not None and service_s is not None and now + service_s <= deadline
 
 
 def _too_late(waiter: _Waiter, now: float) -> bool:

@@ -84,12 +84,19 @@ class ModelCatalog:
         self._models: list[ModelSpec] | None = None
         self._fetched_at = float("-inf")
         self._refresh_lock = asyncio.Lock()
+        self._refreshing: asyncio.Task[None] | None = None
+        """A refresh running behind the requests that go on with the list it replaces."""
         self._tokenizers: dict[str, asyncio.Task[TokenizerLike]] = {}
 
     async def models(self) -> list[ModelSpec]:
-        """Every tier, in the router's order (refetched when stale)."""
+        """Every tier, in the router's order. A stale list is refetched behind the requests,
+        which go on with it meanwhile (no request waits for the router's answer, a refusal
+        least of all); only the first fetch is waited for."""
         if self._clock() - self._fetched_at >= self._refresh_s:
-            await self._refresh()
+            if self._models is None:
+                await self._refresh()
+            elif self._refreshing is None or self._refreshing.done():
+                self._refreshing = asyncio.create_task(self._refresh())
         if self._models is None:
             raise Unavailable("the router is unreachable: no model list yet")
         return self._models
@@ -143,6 +150,13 @@ class ModelCatalog:
         for model in models:
             with contextlib.suppress(KvmeshError):
                 await self.tokenizer(model)
+
+    async def close(self) -> None:
+        """Stops a refresh still running."""
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refreshing
 
     async def _refresh(self) -> None:
         async with self._refresh_lock:

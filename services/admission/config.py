@@ -50,15 +50,22 @@ class AdmissionConfig(ServerConfig):
     """Throughput assumed for tiers whose workers have not reported a measured one yet."""
     adaptive_admission: bool = True
     """Admission that knows what the workers can do: requests in flight bounded by a limit
-    that follows their measured latency (TCP-Vegas style, at most --max-in-flight), and a
-    request shed at once when its expected wait plus the workers' measured time for its
-    prompt and max_tokens exceeds its deadline. --no-adaptive-admission: a fixed
-    --max-in-flight, shed only when the wait alone exceeds the deadline."""
-    initial_in_flight: int = 8
-    """The adaptive limit before any request was measured."""
-    max_in_flight: int = 64
-    """Most requests admitted toward the router at once (the adaptive limit's ceiling)."""
-    batch_max_in_flight: int = 48
+    that follows their measured latency per token and the deadlines they miss (a gradient
+    limit, TCP-Vegas style, between --min-in-flight and --max-in-flight), and a request shed
+    at once when its expected wait plus the workers' measured time for its prompt and
+    max_tokens exceeds its deadline. --no-adaptive-admission: a fixed --max-in-flight, shed
+    only when the wait alone exceeds the deadline."""
+    workers_batch: int = 64
+    """Requests the workers batch at once (max_num_seqs summed over the decode workers; one
+    worker's 64 in kvmesh up's default stack): the adaptive limit starts there, and latency
+    that grows with the batch never takes it lower (a part-empty batch serves less)."""
+    min_in_flight: int = 4
+    """The adaptive limit's floor, reached only when requests miss the deadlines their
+    admission expected them to meet (the batch is then too large for the deadlines)."""
+    max_in_flight: int = 256
+    """Most requests admitted toward the router at once (the adaptive limit's ceiling; the
+    limit itself with --no-adaptive-admission)."""
+    batch_max_in_flight: int = 192
     """Batch requests' share of the slots, as a count of --max-in-flight's (the adaptive
     limit gives batch the same fraction), so interactive ones always find a slot."""
     interactive_queue: int = 256
@@ -75,8 +82,9 @@ class AdmissionConfig(ServerConfig):
     """Finished results remembered for idempotency keys (oldest forgotten first)."""
     idempotency_ttl_s: float = 3600.0
     """How long a finished result answers a repeated idempotency key."""
-    catalog_refresh_s: float = 10.0
-    """How often the model list is fetched again from the router."""
+    catalog_refresh_s: float = 2.0
+    """How often the model list is fetched again from the router (it carries the workers'
+    measured rates that shedding goes by, so they follow a change of load this closely)."""
     cache_timeout_s: float = 0.5
     """Deadline of a response-cache call; slower counts as a miss."""
     cancel_grace_s: float = 2.0

@@ -79,13 +79,13 @@ _PROTO_PRIORITY = {
 }
 
 
-_LOAD_FAILURES = (common_pb2.FINISH_REASON_DEADLINE,)
-"""How an admitted request ends when more were admitted than the workers could serve."""
-_WHOLE_ANSWERS = (
+_MEASURED = (
     common_pb2.FINISH_REASON_STOP,
     common_pb2.FINISH_REASON_LENGTH,
     common_pb2.FINISH_REASON_TOOL_CALLS,
+    common_pb2.FINISH_REASON_DEADLINE,
 )
+"""Ends whose latency per token tells the concurrency limit how fast the workers serve."""
 
 
 class ClientCancelled(Exception):
@@ -331,12 +331,12 @@ class Gateway:
             async for event in self._route(job, transcript, ticket, cancelled):
                 yield event
         finally:
-            # What the concurrency limit learns: the latency of a whole answer, or a failure
-            # for load (a cancelled or cut-short answer says nothing about either).
+            # What the concurrency limit learns: the pace of a whole answer or of one that ran
+            # into its deadline (a cancelled or failed answer says nothing about the workers).
             reason = transcript.finished.finish_reason if transcript.finished else None
-            if reason in _WHOLE_ANSWERS:
-                ticket.output_tokens = len(transcript.token_ids)
-            ticket.dropped = reason in _LOAD_FAILURES
+            ticket.measured = reason in _MEASURED
+            ticket.output_tokens = len(transcript.token_ids)
+            ticket.missed_deadline = reason == common_pb2.FINISH_REASON_DEADLINE
             await holdings.give_back(ticket)
 
     async def _route(

@@ -1,23 +1,37 @@
 """How many requests the gateway lets run toward the router at once.
 
-A fixed limit (`--admission fixed`, the old behaviour) or an adaptive one that follows the
-latency the requests measure, in the manner of TCP Vegas (as Netflix's concurrency-limits
-applies it to services): the latency of a request with nothing queued ahead of it anywhere
-(the lowest seen, re-measured now and then) against the latency now says how many of the
-requests in flight are queueing rather than being served:
+A fixed limit (`--no-adaptive-admission`, the old behaviour) or an adaptive one that follows
+the latency the requests measure, in the manner of gradient concurrency limits (Netflix's
+concurrency-limits, Gradient2 and Vegas): the mean latency of a short window of finished
+requests against a baseline, the lowest such window of a longer stretch (re-measured as the
+stretch slides on), says whether the requests in flight are queueing behind each other:
 
-    queued = limit * (1 - no_load / now)
+    ratio = window / baseline
 
-Few queued: the workers have room, the limit grows; many: it shrinks; a request that missed
-its deadline or failed downstream shrinks it too. The latency of a request is its time from
-admission to its end per output token, so requests of different lengths compare; its
-no-load value is the workers' own decode step (plus the prompt's share), and the limit settles
-where adding requests to the workers' batch stops paying for itself in their step time.
+Within `tolerance` nothing queues: the limit grows by its square root (while at least half of
+it is in use). Over it the limit shrinks by the gradient `tolerance / ratio`, never by more
+than `max_decrease` at once, and never below the workers' batch.
+
+The latency of a request is its time from admission to its end per output token it produced,
+so requests of different lengths compare.
+
+The workers batch the requests they run, one step serves all of them, so their latency per
+token grows with the batch even where nothing queues, and below the batch (max_num_seqs, 64
+per worker by default) it runs part-empty and throughput falls with it. Latency alone
+therefore never takes the limit below `batch`; above it the extra requests wait in the engine
+and their time to first token shows as the queueing the gradient takes back. What can take
+the limit below the batch is a deadline missed by a request that its admission expected to
+finish in time (its expected wait and service fitted): then the batch is larger than the
+deadlines allow (on a compute-bound worker each request's steps slow down as the batch
+grows), and the limit shrinks by the share of the window that ran late, down to
+`min_limit`. A missed deadline the admission did not promise (a request started on a free
+slot though it could not finish) is no such sign.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,9 +44,10 @@ class ConcurrencyLimit(Protocol):
         """Requests that may run at once now."""
         ...
 
-    def observe(self, latency_s: float, in_flight: int, dropped: bool) -> None:
+    def observe(self, latency_s: float, in_flight: int, late: bool = False) -> None:
         """One finished request: its latency per output token since admission, how many
-        were in flight when it ended, and whether it failed for load (a missed deadline)."""
+        were in flight when it ended, and whether it missed the deadline its admission
+        expected it to meet."""
         ...
 
 
@@ -46,89 +61,108 @@ class FixedLimit:
     def limit(self) -> int:
         return self.value
 
-    def observe(self, latency_s: float, in_flight: int, dropped: bool) -> None:
+    def observe(self, latency_s: float, in_flight: int, late: bool = False) -> None:
         return None
 
 
 @dataclass(slots=True, frozen=True)
-class VegasSettings:
+class GradientSettings:
     """Bounds and gains of the adaptive limit."""
 
-    initial: int = 8
-    """The limit before anything was measured."""
-    min_limit: int = 1
-    """The limit never goes below this."""
-    max_limit: int = 64
-    """... nor above this (`--max-in-flight`)."""
-    alpha: float = 3.0
-    """Queued requests (times log10 of the limit) under which the limit grows."""
-    beta: float = 6.0
-    """Queued requests (times log10 of the limit) over which it shrinks."""
-    smoothing: float = 1.0
+    batch: int = 64
+    """The limit before anything was measured, and the lowest latency takes it to: the
+    workers' batch (one worker's max_num_seqs in `kvmesh up`'s default stack)."""
+    min_limit: int = 4
+    """The floor, reached only by late requests."""
+    max_limit: int = 256
+    """The limit never goes above this (`--max-in-flight`)."""
+    tolerance: float = 1.25
+    """A window this many times the baseline still counts as nothing queued."""
+    window: int = 16
+    """Finished requests averaged into one window; the limit moves once per window."""
+    baseline_windows: int = 32
+    """The baseline is the lowest of the last this many windows closed with the limit at or
+    below the batch (or lower than it), so a lighter time long past, a model change or a
+    quieter machine is forgotten."""
+    max_decrease: float = 0.5
+    """The most one window may take off: the limit at most halves at once."""
+    smoothing: float = 0.5
     """Share of each step taken at once (1: all of it)."""
-    probe_every: int = 30
-    """The no-load latency is measured again after this many limits' worth of requests (the
-    lowest latency seen might come from a lighter time, a model change, or a quieter machine)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_limit <= self.initial <= self.max_limit:
-            raise ValueError("need 1 <= min_limit <= initial <= max_limit")
-        if not 0 < self.alpha < self.beta:
-            raise ValueError("need 0 < alpha < beta")
+        if not 1 <= self.min_limit <= self.batch <= self.max_limit:
+            raise ValueError("need 1 <= min_limit <= batch <= max_limit")
+        if self.tolerance < 1:
+            raise ValueError("tolerance must be at least 1")
+        if self.window < 1 or self.baseline_windows < 1:
+            raise ValueError("window and baseline_windows must be at least 1")
+        if not 0 < self.max_decrease <= 1:
+            raise ValueError("max_decrease must be in (0, 1]")
         if not 0 < self.smoothing <= 1:
             raise ValueError("smoothing must be in (0, 1]")
 
 
 @dataclass(slots=True)
-class VegasLimit:
+class GradientLimit:
     """The adaptive limit; see the module docstring."""
 
-    settings: VegasSettings = field(default_factory=VegasSettings)
+    settings: GradientSettings = field(default_factory=GradientSettings)
     estimate: float = field(init=False)
-    no_load_s: float | None = field(default=None, init=False)
-    """Lowest latency per output token seen since the last probe."""
-    _since_probe: int = field(default=0, init=False)
+    windows: deque[float] = field(init=False)
+    """Mean latency per output token of the last baseline_windows windows, newest last."""
+    _samples: list[float] = field(default_factory=list, init=False)
+    _busiest: int = field(default=0, init=False)
+    """Most requests in flight seen in the current window."""
+    _late: int = field(default=0, init=False)
+    """Requests of the current window that missed the deadline they were expected to meet."""
 
     def __post_init__(self) -> None:
-        self.estimate = float(self.settings.initial)
+        self.estimate = float(self.settings.batch)
+        self.windows = deque(maxlen=self.settings.baseline_windows)
 
     @property
     def limit(self) -> int:
-        return max(self.settings.min_limit, int(self.estimate))
+        return int(self.estimate)
 
-    def observe(self, latency_s: float, in_flight: int, dropped: bool) -> None:
+    @property
+    def baseline_s(self) -> float | None:
+        """The lowest window's latency per token (None before a window closed)."""
+        return min(self.windows) if self.windows else None
+
+    def observe(self, latency_s: float, in_flight: int, late: bool = False) -> None:
         if latency_s <= 0:
             return
-        self._since_probe += 1
-        if self._since_probe > self.settings.probe_every * self.estimate:
-            # Forget the old no-load figure: the lowest latency from here on replaces it.
-            self._since_probe = 0
-            self.no_load_s = latency_s
+        self._samples.append(latency_s)
+        self._busiest = max(self._busiest, in_flight)
+        self._late += late
+        if len(self._samples) < self.settings.window:
             return
-        if self.no_load_s is None or latency_s < self.no_load_s:
-            self.no_load_s = latency_s
-            return
-        target = self._target(latency_s, in_flight, dropped)
-        if target is None:
-            return
-        s = self.settings
-        bounded = max(float(s.min_limit), min(float(s.max_limit), target))
-        self.estimate = (1 - s.smoothing) * self.estimate + s.smoothing * bounded
+        mean = sum(self._samples) / len(self._samples)
+        late_share = self._late / len(self._samples)
+        busiest = self._busiest
+        self._samples.clear()
+        self._busiest = self._late = 0
+        # Above the batch only a lower window joins the baseline: the windows that are there
+        # because the limit grew must not push out the ones that show what it grew from, or
+        # the baseline would creep up with the queue it should measure.
+        if not self.windows or self.limit <= self.settings.batch or mean < min(self.windows):
+            self.windows.append(mean)
+        self._update(mean / min(self.windows), busiest, late_share)
 
-    def _target(self, latency_s: float, in_flight: int, dropped: bool) -> float | None:
-        """The next limit, or None to keep it."""
-        assert self.no_load_s is not None
+    def _update(self, ratio: float, busiest: int, late_share: float) -> None:
+        """Moves the estimate for one window of `ratio` times the baseline in which
+        `late_share` of the requests missed the deadline they were expected to meet."""
+        s = self.settings
         limit = self.estimate
-        step = max(1.0, math.log10(limit))
-        if dropped:
-            return limit - step
-        if in_flight * 2 < limit:
-            return None  # too little load to say anything about the limit
-        queued = limit * (1 - self.no_load_s / latency_s)
-        if queued <= step:
-            return limit + self.settings.beta * step
-        if queued < self.settings.alpha * step:
-            return limit + step
-        if queued > self.settings.beta * step:
-            return limit - step
-        return None
+        if late_share > 0:
+            target = limit * max(s.max_decrease, 1 - late_share)
+        elif ratio > s.tolerance:
+            # What batching costs is no reason to leave the batch part-empty.
+            floor = min(limit, float(s.batch))
+            target = max(floor, limit * max(s.max_decrease, s.tolerance / ratio))
+        elif busiest * 2 < limit:
+            return  # too little load to say the limit could be higher
+        else:
+            target = limit + math.sqrt(limit)
+        bounded = max(float(s.min_limit), min(float(s.max_limit), target))
+        self.estimate = (1 - s.smoothing) * limit + s.smoothing * bounded

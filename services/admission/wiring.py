@@ -20,7 +20,7 @@ from services.admission.config import AdmissionConfig
 from services.admission.downstream import CacheClient, RouterClient
 from services.admission.gateway import Gateway
 from services.admission.idempotency import IdempotencyStore
-from services.admission.limiter import FixedLimit, VegasLimit, VegasSettings
+from services.admission.limiter import FixedLimit, GradientLimit, GradientSettings
 from services.admission.metering import MemoryMeter, RedisMeter, UsageMeter
 from services.admission.pricing import PriceTable, parse_price_overrides
 from services.admission.quotas import MemoryCounters, Quotas, RedisCounters
@@ -83,11 +83,11 @@ def admission_queue(config: AdmissionConfig) -> AdmissionQueue:
     )
     if not config.adaptive_admission:
         return AdmissionQueue(limits, FixedLimit(config.max_in_flight))
-    settings = VegasSettings(
-        initial=min(config.initial_in_flight, config.max_in_flight),
-        max_limit=config.max_in_flight,
+    batch = min(config.workers_batch, config.max_in_flight)
+    settings = GradientSettings(
+        batch=batch, min_limit=min(config.min_in_flight, batch), max_limit=config.max_in_flight
     )
-    return AdmissionQueue(limits, VegasLimit(settings), service_aware=True)
+    return AdmissionQueue(limits, GradientLimit(settings), service_aware=True)
 
 
 def build_gateway(config: AdmissionConfig) -> Assembly:
@@ -141,4 +141,4 @@ def build_gateway(config: AdmissionConfig) -> Assembly:
             config.idempotency_entries, config.idempotency_ttl_s
         ),
     )
-    return Assembly(gateway, [gateway.close, *hooks, lambda: router_channel.close()])
+    return Assembly(gateway, [gateway.close, catalog.close, *hooks, lambda: router_channel.close()])

@@ -234,8 +234,8 @@ class StepLimit:
     def limit(self) -> int:
         return self.value
 
-    def observe(self, latency_s: float, in_flight: int, dropped: bool) -> None:
-        self.seen.append((latency_s, in_flight, dropped))
+    def observe(self, latency_s: float, in_flight: int, late: bool = False) -> None:
+        self.seen.append((latency_s, in_flight, late))
 
 
 async def test_slots_follow_the_adaptive_limit_and_batch_keeps_its_share() -> None:
@@ -254,22 +254,45 @@ async def test_slots_follow_the_adaptive_limit_and_batch_keeps_its_share() -> No
     assert interactive.queued_s == 0  # interactive still finds a slot
     limit.value = 4
     clock.now += 1.0
-    interactive.output_tokens = 10
+    interactive.measured, interactive.output_tokens = True, 10
     q.release(interactive)  # a release hands out the slots the grown limit added
     assert (await asyncio.wait_for(second_batch, 1.0)).queued_s == pytest.approx(1.0)
     # The limit learnt the released request's latency per token and the load it ran under.
     assert limit.seen == [(pytest.approx(0.1), 2, False)]
-    q.release(batch)  # no tokens, not dropped: nothing learnt
+    q.release(batch)  # not measured (a cancel, a failure): nothing learnt
     assert len(limit.seen) == 1
 
 
-async def test_a_dropped_request_teaches_the_limit_without_tokens() -> None:
+async def test_a_missed_deadline_without_tokens_teaches_its_whole_hold() -> None:
+    clock = ManualClock()
     limit = StepLimit(4)
-    q = aware_queue(limit, ManualClock())
+    q = aware_queue(limit, clock)
     ticket = await q.admit(INTERACTIVE)
-    ticket.dropped = True
+    clock.now += 3.0
+    ticket.measured = True  # it ran into its deadline before its first token
     q.release(ticket)
-    assert limit.seen and limit.seen[0][2] is True
+    assert limit.seen == [(pytest.approx(3.0), 1, False)]  # no deadline: nothing promised
     cancelled = await q.admit(INTERACTIVE)
-    q.release(cancelled)  # no tokens, not dropped (a cancel): nothing to learn
+    cancelled.output_tokens = 5
+    q.release(cancelled)  # a cancel says nothing about the workers' pace
     assert len(limit.seen) == 1
+
+
+async def test_late_means_a_deadline_missed_that_the_admission_expected_to_meet() -> None:
+    clock = ManualClock()
+    limit = StepLimit(2)
+    q = aware_queue(limit, clock)
+    # 2 s of service with 5 s left: expected in time, yet it ran into its deadline.
+    promised = await q.admit(INTERACTIVE, deadline=clock.now + 5.0, service_s=2.0)
+    # 8 s of service with 5 s left, on a free slot: it was never expected to make it.
+    hopeless = await q.admit(INTERACTIVE, deadline=clock.now + 5.0, service_s=8.0)
+    assert promised.expected_in_time and not hopeless.expected_in_time
+    # Queued behind them, it gets its slot 4 s later with 6 s left: 5 s of service fits.
+    queued = asyncio.create_task(q.admit(INTERACTIVE, deadline=clock.now + 10.0, service_s=5.0))
+    await settle()
+    clock.now += 4.0
+    for ticket in (promised, hopeless):
+        ticket.measured, ticket.missed_deadline, ticket.output_tokens = True, True, 4
+        q.release(ticket)
+    assert (await asyncio.wait_for(queued, 1.0)).expected_in_time
+    assert limit.seen == [(pytest.approx(1.0), 2, True), (pytest.approx(1.0), 2, False)]

@@ -1,0 +1,61 @@
+"""The model catalog's refresh: a stale list is refetched behind the requests."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.admission.catalog import ModelCatalog, ModelSpec
+
+
+class SlowRouter:
+    """ListModels that answers only when the test lets it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.answer = asyncio.Event()
+
+    async def list_models(self) -> list[ModelSpec]:
+        self.calls += 1
+        if self.calls > 1:
+            await self.answer.wait()
+        return [ModelSpec(f"tier-{self.calls}")]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_stale_list_serves_while_it_is_refetched() -> None:
+    router, clock = SlowRouter(), Clock()
+    catalog = ModelCatalog(
+        router.list_models, tokenizer_specs={}, default_tokenizer="x", refresh_s=2.0, clock=clock
+    )
+    assert [m.id for m in await catalog.models()] == ["tier-1"]  # the first fetch is awaited
+    clock.now = 3.0
+    # Stale: the answer comes at once from the old list, one refetch runs behind it.
+    for _ in range(3):
+        assert [m.id for m in await asyncio.wait_for(catalog.models(), 1.0)] == ["tier-1"]
+    await asyncio.sleep(0)
+    assert router.calls == 2
+    router.answer.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert [m.id for m in await catalog.models()] == ["tier-2"]
+    await catalog.close()
+
+
+async def test_close_stops_a_refresh_still_running() -> None:
+    router, clock = SlowRouter(), Clock()
+    catalog = ModelCatalog(
+        router.list_models, tokenizer_specs={}, default_tokenizer="x", refresh_s=2.0, clock=clock
+    )
+    await catalog.models()
+    clock.now = 3.0
+    await catalog.models()
+    await asyncio.sleep(0)
+    await asyncio.wait_for(catalog.close(), 1.0)  # the router never answers
+    assert [m.id for m in await catalog.models()] == ["tier-1"]
