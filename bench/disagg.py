@@ -35,12 +35,10 @@ import math
 import os
 import platform
 import random
-import re
 import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -49,6 +47,7 @@ from typing import Any
 import grpc
 import yaml
 
+from bench.mesh import metric
 from bench.report import BENCHMARKS, write_results, write_section
 from kvmesh.bench_report import RequestResult, Slo, distribution, percentile, summarize
 from kvmesh.channels import insecure_channel
@@ -88,12 +87,7 @@ class Process:
     def metric(self, name: str, labels: str = "") -> float:
         """One sample from its Prometheus endpoint (0 when absent)."""
         assert self.metrics_port is not None, f"{self.name} serves no metrics"
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            text = reply.read().decode()
-        pattern = re.escape(name + (f"{{{labels}}}" if labels else "")) + r" (\S+)"
-        found = re.search(r"^" + pattern + r"$", text, re.MULTILINE)
-        return float(found.group(1)) if found else 0.0
+        return metric(self.metrics_port, name, labels)
 
 
 async def start(name: str, module: str, args: Sequence[str], core: int | None) -> Process:

@@ -22,9 +22,11 @@ import asyncio
 import contextlib
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,15 @@ def advancing(progress: Progress, task: TaskID) -> OnDone:
         progress.advance(task)
 
     return advance
+
+
+def metric(port: int, name: str, labels: str = "") -> float:
+    """One sample from the Prometheus endpoint on 127.0.0.1:`port` (0 when absent)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    pattern = re.escape(name + (f"{{{labels}}}" if labels else "")) + r" (\S+)"
+    found = re.search(r"^" + pattern + r"$", text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
 
 
 def quiet(name: str, line: str) -> None:

@@ -6,9 +6,10 @@ One `kvmesh up` stack (its default mode, the default model; colocated: one worke
 beside its gateway (the new admission: adaptive concurrency limit, shedding by the workers'
 measured service time), a second gateway on the same router with `--no-adaptive-admission`
 (the old admission: fixed `--max-in-flight` 64, shed only when the queue wait alone exceeds a
-deadline). Capacity is measured first: requests completed per second with `--capacity-clients`
-clients sending back to back through the old gateway. Then each gateway gets Poisson arrivals
-at each multiple of that capacity (`--loads`), half interactive with a 10 s deadline, half
+deadline). The new gateway's concurrency limit is sampled from its metrics every second.
+Capacity is measured first: requests completed per second with `--capacity-clients` clients
+sending back to back through the old gateway. Then each gateway gets Poisson arrivals at
+each multiple of that capacity (`--loads`), half interactive with a 10 s deadline, half
 batch with 30 s, each run drained to its last answer. A request counts toward goodput when
 its answer is whole (stop or length) within its deadline; refused ones (RESOURCE_EXHAUSTED)
 are timed from send to refusal and their RetryInfo kept. Goals at 3x: goodput >= 0.8x the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -41,7 +43,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bench.mesh import quiet, running_stack
+from bench.mesh import metric, quiet, running_stack
 from bench.peers import machine, timed_region
 from bench.report import (
     publish,
@@ -70,6 +72,10 @@ WHOLE = ("FINISH_REASON_STOP", "FINISH_REASON_LENGTH")
 WORKERS = {"colocated": "one colocated worker", "disaggregated": "one prefill, one decode worker"}
 MODES = ("old", "new")
 """old: --no-adaptive-admission; new: the default admission."""
+OLD_ADMISSION = ("--no-adaptive-admission", "--max-in-flight", "64", "--batch-max-in-flight", "48")
+"""The old gateway: the fixed limit and batch share that were the defaults before."""
+LIMIT = "kvmesh:admission_concurrency_limit"
+ENGINE_WAITING = "kvmesh:num_requests_waiting"
 
 
 @dataclass(slots=True)
@@ -85,6 +91,8 @@ class Outcome:
     finish: str = ""
     """The finish reason, or the gRPC status name of a failed call."""
     retry_after_s: float | None = None
+    detail: str = ""
+    """A failure's message (Finished.error_message or the gRPC details)."""
 
     @property
     def refused(self) -> bool:
@@ -125,9 +133,11 @@ async def send(stub: gateway_pb2_grpc.GatewayStub, message: Any, kind: str, zero
                 outcome.ttft_s = time.perf_counter() - sent
             elif which == "finished":
                 outcome.finish = common_pb2.FinishReason.Name(event.finished.finish_reason)
+                outcome.detail = event.finished.error_message
     except grpc.aio.AioRpcError as error:
         outcome.finish = error.code().name
         outcome.retry_after_s = error_from_rpc(error).retry_after_s
+        outcome.detail = error.details() or ""
     outcome.e2e_s = time.perf_counter() - sent
     return outcome
 
@@ -139,6 +149,7 @@ async def closed_loop(
     counted after the first third (at most 5 s), once every client has its request in."""
     task = progress.add_task(f"capacity, {clients} clients", total=None)
     done: list[Outcome] = []
+    every: list[Outcome] = []
     ramp_s = min(5.0, seconds / 3)
     async with gateway_channel(gateway, None) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -153,6 +164,7 @@ async def closed_loop(
                 outcome = await send(stub, request(rng, kind, index, args), kind, zero)
                 index += 1
                 ended = time.perf_counter()
+                every.append(outcome)
                 if outcome.finish in WHOLE and zero + ramp_s <= ended <= stop:
                     done.append(outcome)
                     progress.advance(task)
@@ -166,6 +178,8 @@ async def closed_loop(
         "counted_from_s": ramp_s,
         "completed": len(done),
         "requests_per_s": len(done) / (seconds - ramp_s),
+        "finishes": finish_counts(every),
+        "failures": failures(every),
         "region": asdict(region),
     }
 
@@ -207,13 +221,23 @@ def p50_ms(values: Sequence[float]) -> float:
     return percentile(values, 50) * 1000 if values else math.nan
 
 
+def finish_counts(outcomes: Sequence[Outcome]) -> dict[str, int]:
+    """How many requests ended with each finish reason or gRPC status."""
+    return dict(collections.Counter(o.finish for o in outcomes))
+
+
+def failures(outcomes: Sequence[Outcome]) -> dict[str, int]:
+    """How many requests failed with each message, other than refusals and deadlines
+    (their messages carry figures that differ each time)."""
+    usual = ("RESOURCE_EXHAUSTED", "FINISH_REASON_DEADLINE")
+    failed = (o for o in outcomes if o.detail and o.finish not in usual)
+    return dict(collections.Counter(f"{o.finish}: {o.detail[:120]}" for o in failed))
+
+
 def summary(outcomes: Sequence[Outcome], seconds: float, capacity: float) -> dict[str, Any]:
     """The figures of one run."""
     refused = [o for o in outcomes if o.refused]
     in_time = [o for o in outcomes if o.in_time]
-    finishes: dict[str, int] = {}
-    for outcome in outcomes:
-        finishes[outcome.finish] = finishes.get(outcome.finish, 0) + 1
     retry = [o.retry_after_s for o in refused if o.retry_after_s is not None]
     figures: dict[str, Any] = {
         "sent": len(outcomes),
@@ -231,7 +255,8 @@ def summary(outcomes: Sequence[Outcome], seconds: float, capacity: float) -> dic
         "refusals_with_retry_info": len(retry),
         "retry_after_p50_s": percentile(retry, 50) if retry else math.nan,
         "retry_after_max_s": max(retry, default=math.nan),
-        "finishes": finishes,
+        "finishes": finish_counts(outcomes),
+        "failures": failures(outcomes),
     }
     for kind in DEADLINE_S:
         ttfts = [o.ttft_s for o in outcomes if o.kind == kind and o.ttft_s is not None]
@@ -240,6 +265,8 @@ def summary(outcomes: Sequence[Outcome], seconds: float, capacity: float) -> dic
         figures[f"{kind}_in_deadline"] = sum(o.in_time for o in mine)
         figures[f"{kind}_ttft_p99_ms"] = p99_ms(ttfts)
         figures[f"{kind}_ttft_p50_ms"] = p50_ms(ttfts)
+        waits = [o.retry_after_s for o in mine if o.refused and o.retry_after_s is not None]
+        figures[f"{kind}_retry_after_p50_s"] = percentile(waits, 50) if waits else math.nan
     return figures
 
 
@@ -253,7 +280,7 @@ async def fixed_gateway(services: list[StackService]) -> AsyncIterator[str]:
     old = dataclasses.replace(
         gateway,
         name="gateway-old",
-        args=(*args, "--no-adaptive-admission"),
+        args=(*args, *OLD_ADMISSION),
         port=FIXED_GATEWAY_PORT,
         metrics_port=-1,
     )
@@ -264,6 +291,53 @@ async def fixed_gateway(services: list[StackService]) -> AsyncIterator[str]:
         yield old.address
     finally:
         await supervisor.stop_all()
+
+
+@dataclass(slots=True)
+class Samples:
+    """What the mesh showed once a second during a run."""
+
+    limit: list[float] = dataclasses.field(default_factory=list)
+    """The new gateway's concurrency limit."""
+    engine_waiting: list[float] = dataclasses.field(default_factory=list)
+    """Requests queued in the worker's engine (beyond its batch)."""
+    decode_ms: list[float] = dataclasses.field(default_factory=list)
+    """The decode rate the gateways shed by (ListModels' service_rates)."""
+
+    def figures(self) -> dict[str, float]:
+        found: dict[str, float] = {}
+        for name in ("limit", "engine_waiting", "decode_ms"):
+            values = getattr(self, name)
+            if values:
+                found[f"{name}_min"], found[f"{name}_max"] = min(values), max(values)
+                found[f"{name}_mean"] = sum(values) / len(values)
+        return found
+
+
+@contextlib.asynccontextmanager
+async def sampled(gateway: StackService, worker: StackService) -> AsyncIterator[Samples]:
+    """Samples the new gateway's limit, the engine's queue and the rates while the block runs."""
+    samples = Samples()
+
+    async def sample(stub: gateway_pb2_grpc.GatewayStub) -> None:
+        while True:
+            samples.limit.append(await asyncio.to_thread(metric, gateway.metrics_port, LIMIT))
+            waiting = await asyncio.to_thread(metric, worker.metrics_port, ENGINE_WAITING)
+            samples.engine_waiting.append(waiting)
+            models = await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=5)
+            rates = [m.service_rates for m in models.models if m.HasField("service_rates")]
+            if rates:
+                samples.decode_ms.append(rates[0].decode_ms_per_token)
+            await asyncio.sleep(1.0)
+
+    async with gateway_channel(gateway.address, None) as channel:
+        task = asyncio.create_task(sample(gateway_pb2_grpc.GatewayStub(channel)))
+        try:
+            yield samples
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def run_seconds(load: float, args: argparse.Namespace) -> float:
@@ -277,8 +351,9 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         starting = progress.add_task("starting the stack", total=None)
         stack = running_stack(args, PORT_OFFSET, mode=args.mode)
         async with stack as services, fixed_gateway(services) as old:
-            new = next(s for s in services if s.name == "gateway").address
-            gateways = {"old": old, "new": new}
+            new = next(s for s in services if s.name == "gateway")
+            worker = next(s for s in services if s.role in ("colocated", "decode"))
+            gateways = {"old": old, "new": new.address}
             progress.remove_task(starting)
             # Warm-up at full load: both gateways learn the model list, the router the
             # workers' rates, the engines see every batch size before anything is timed.
@@ -291,23 +366,31 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             )
             report["capacity"] = capacity
             per_s = capacity["requests_per_s"]
-            console.print(f"capacity: {per_s:.2f} requests/s ({capacity['completed']} whole)")
+            console.print(f"capacity: {per_s:.2f} requests/s {capacity['finishes']}")
+            console.print(capacity["failures"])
+            if per_s == 0:
+                raise SystemExit("no whole answer while measuring capacity: nothing to load")
             for load in args.loads:
-                for mode in MODES:
+                for mode in args.modes:
                     seconds = run_seconds(load, args)
                     expected = round(load * per_s * seconds)
                     task = progress.add_task(f"{mode} admission, {load}x", total=expected)
                     with timed_region() as region:
-                        outcomes = await open_loop(
-                            gateways[mode], load * per_s, seconds, round(load * 100),
-                            args, functools.partial(progress.advance, task),
-                        )  # fmt: skip
+                        async with sampled(new, worker) as samples:
+                            outcomes = await open_loop(
+                                gateways[mode], load * per_s, seconds, round(load * 100),
+                                args, functools.partial(progress.advance, task),
+                            )  # fmt: skip
                     progress.remove_task(task)
                     figures = summary(outcomes, seconds, per_s)
+                    figures.update(samples.figures())
+                    if mode == "old":  # the new gateway's limit says nothing of this run
+                        figures = {k: v for k, v in figures.items() if not k.startswith("limit")}
                     report["runs"].append(
                         {"mode": mode, "load": load, "seconds": seconds,
                          "region": asdict(region), **figures}
                     )  # fmt: skip
+                    console.print(figures["finishes"], figures["failures"], samples.figures())
                     console.print(
                         f"{mode} {load}x: goodput {figures['goodput_per_s']:.2f}/s "
                         f"({figures['goodput_vs_capacity']:.2f}x), shed "
@@ -343,7 +426,8 @@ def verdicts(report: dict[str, Any]) -> list[str]:
     refusal = new["refusal_max_ms"]
     side_by_side = (
         f"- New against old admission side by side at {GOAL_LOAD}x: goodput "
-        f"{new['goodput_per_s'] / old['goodput_per_s']:.2f}x, shed {new['shed_rate']:.0%} vs "
+        f"{new['goodput_per_s']:.2f} vs {old['goodput_per_s']:.2f}/s, shed "
+        f"{new['shed_rate']:.0%} vs "
         f"{old['shed_rate']:.0%}, deadline finishes "
         f"{new['finishes'].get('FINISH_REASON_DEADLINE', 0)} vs "
         f"{old['finishes'].get('FINISH_REASON_DEADLINE', 0)}."
@@ -360,9 +444,18 @@ def verdicts(report: dict[str, Any]) -> list[str]:
         f"{'met' if ttft <= DEADLINE_S['interactive'] * 1000 else 'missed'}).",
         f"- Refusals at {GOAL_LOAD}x: {new['shed']}, slowest {refusal:.1f} ms, p99 "
         f"{new['refusal_p99_ms']:.1f} ms, {new['refusals_with_retry_info']} with RetryInfo "
-        f"(median retry-after {new['retry_after_p50_s']:.2f} s) (goal < {REFUSAL_GOAL_MS:.0f} "
+        f"(median retry-after {new['retry_after_p50_s']:.2f} s, interactive "
+        f"{new['interactive_retry_after_p50_s']:.2f} s, batch "
+        f"{new['batch_retry_after_p50_s']:.2f} s) (goal < {REFUSAL_GOAL_MS:.0f} "
         f"ms: {'met' if new['shed'] == 0 or refusal < REFUSAL_GOAL_MS else 'missed'}).",
     ]
+
+
+def limit_range(run_: dict[str, Any]) -> str:
+    """The concurrency limit a run had: the old one's fixed 64, the new one's sampled range."""
+    if "limit_min" not in run_:
+        return OLD_ADMISSION[2] if run_["mode"] == "old" else "-"
+    return f"{run_['limit_min']:.0f}-{run_['limit_max']:.0f}"
 
 
 def markdown(report: dict[str, Any], command: str) -> str:
@@ -379,8 +472,12 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"the start, {cpu['load_average_end']:.1f} at the end; other processes used "
         f"{min(others):.2f}-{max(others):.2f} cores in the timed regions). `kvmesh up`'s "
         f"{work['mode']} stack ({WORKERS[work['mode']]}, nothing pinned) with two gateways "
-        "on its router: **new** = the default admission (adaptive concurrency limit, shedding "
-        "by the workers' measured service time), **old** = `--no-adaptive-admission` (fixed "
+        "on its router: **new** = the default admission (adaptive concurrency limit: it "
+        "starts at `--workers-batch` 64, latency alone never takes it below that, deadlines "
+        "missed that the admission expected to be met take it down to `--min-in-flight` 4, at "
+        "most `--max-in-flight` 256; the limit column is its range sampled once a second; "
+        "shedding by the workers' measured service time), **old** = "
+        "`--no-adaptive-admission` (fixed "
         f"`--max-in-flight` 64, shed only when the queue wait alone exceeds the deadline). "
         f"Requests: {work['prompt_words']}-word prompts, {work['output_tokens']} output tokens "
         "(EOS ignored), half interactive with a 10 s deadline, half batch with 30 s, Poisson "
@@ -391,8 +488,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "answers within their deadline per second of arrivals.",
         "",
         "| load | admission | offered/s | goodput/s | vs capacity | shed | refusal p99 ms "
-        "| interactive TTFT p99 ms | batch TTFT p99 ms | deadline finishes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| interactive TTFT p99 ms | batch TTFT p99 ms | deadline finishes | limit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run_ in report["runs"]:
         lines.append(
@@ -400,7 +497,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
             f"| {run_['goodput_per_s']:.2f} | {run_['goodput_vs_capacity']:.2f}x "
             f"| {run_['shed_rate']:.0%} | {run_['refusal_p99_ms']:.1f} "
             f"| {run_['interactive_ttft_p99_ms']:.0f} | {run_['batch_ttft_p99_ms']:.0f} "
-            f"| {run_['finishes'].get('FINISH_REASON_DEADLINE', 0)} |"
+            f"| {run_['finishes'].get('FINISH_REASON_DEADLINE', 0)} | {limit_range(run_)} |"
         )
     lines += ["", *verdicts(report)]
     return "\n".join(lines) + "\n"
@@ -409,14 +506,14 @@ def markdown(report: dict[str, Any], command: str) -> str:
 def print_table(report: dict[str, Any], console: Console) -> None:
     table = Table(title="overload: old vs new admission")
     for column in ("load", "admission", "goodput/s", "vs cap", "shed", "refusal p99 ms",
-                   "int. TTFT p99", "batch TTFT p99"):  # fmt: skip
+                   "int. TTFT p99", "batch TTFT p99", "limit"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in report["runs"]:
         table.add_row(
             f"{r['load']}x", r["mode"], f"{r['goodput_per_s']:.2f}",
             f"{r['goodput_vs_capacity']:.2f}x", f"{r['shed_rate']:.0%}",
             f"{r['refusal_p99_ms']:.1f}", f"{r['interactive_ttft_p99_ms']:.0f}",
-            f"{r['batch_ttft_p99_ms']:.0f}",
+            f"{r['batch_ttft_p99_ms']:.0f}", limit_range(r),
         )  # fmt: skip
     console.print(table)
     for line in verdicts(report):
@@ -473,6 +570,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-seconds", type=int, default=10)
     parser.add_argument("--prompt-words", type=int, default=48)
     parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="admissions to run, in this order at each load")  # fmt: skip
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     if args.loads is None:

@@ -37,6 +37,8 @@ def test_refusals_are_timed_and_their_retry_info_kept() -> None:
     assert figures["refusal_max_ms"] == pytest.approx(20.0)
     assert figures["refusals_with_retry_info"] == 1
     assert figures["retry_after_p50_s"] == 1.5
+    assert figures["interactive_retry_after_p50_s"] == 1.5
+    assert math.isnan(figures["batch_retry_after_p50_s"])  # refused without RetryInfo
     # TTFT only of the requests that got a token.
     assert figures["interactive_ttft_p99_ms"] == pytest.approx(200 + 0.99 * 7800)
 
@@ -56,7 +58,7 @@ def test_verdicts_say_whether_each_goal_at_3x_is_met() -> None:
         ]
     }
     lines = verdicts(report)
-    assert "side by side at 3.0x: goodput 1.00x, shed 33% vs 0%" in lines[0]
+    assert "side by side at 3.0x: goodput 1.00 vs 1.00/s, shed 33% vs 0%" in lines[0]
     assert "= 1.00x the capacity (old admission: 1.00x)" in lines[1] and "met" in lines[1]
     assert "goal <= 10000 ms: met" in lines[2]
     assert "slowest 20.0 ms" in lines[3] and "met" in lines[3]
