@@ -51,9 +51,10 @@ async def run(config: OpenAIHttpConfig) -> None:
     server = uvicorn.Server(
         uvicorn.Config(
             CountResponses(create_app(config)),
-            # httptools (C) parses requests and frames chunked bodies where h11 (pure Python)
-            # would take its share of every SSE chunk; asyncio's own loop, which grpc.aio runs on.
-            http="httptools",
+            # "auto" is httptools (C, a dependency), which parses requests and frames chunked
+            # bodies where h11 (pure Python, the fallback of an install that lacks it) would
+            # take its share of every SSE chunk; asyncio's own loop, which grpc.aio runs on.
+            http="auto",
             loop="asyncio",
             log_level=config.log_level.lower(),
             access_log=False,

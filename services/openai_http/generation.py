@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from kvmesh.client import Chunk, Client, GenerationResult
-from kvmesh.errors import KvmeshError, Unavailable
+from kvmesh.errors import DeadlineExceeded, Internal, KvmeshError, Unavailable
 from kvmesh.v1 import common_pb2
 from services.openai_http.translation import Plan, chunk_offsets
 
@@ -96,6 +96,16 @@ class Generation:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
+    def at_deadline(self, error: KvmeshError) -> KvmeshError:
+        """The error a call ended with, where an INTERNAL after the request's deadline is the
+        deadline: gRPC's core can end a call whose deadline passed while it was being set up
+        with INTERNAL ("Internal error from Core") rather than DEADLINE_EXCEEDED."""
+        if not isinstance(error, Internal) or self._deadline is None:
+            return error
+        if asyncio.get_running_loop().time() < self._deadline:
+            return error
+        return DeadlineExceeded(f"the request's deadline passed ({error.message})")
+
     def _time_left(self) -> float | None:
         if self._deadline is None:
             return None
@@ -121,7 +131,7 @@ class Generation:
                 raise Unavailable(result.error_message or "the generation failed")
             put(Event(index, result=result))
         except KvmeshError as error:
-            put(Event(index, error=error))
+            put(Event(index, error=self.at_deadline(error)))
         finally:
             choice.released.set()
             await stream.aclose()
