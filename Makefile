@@ -57,8 +57,9 @@ test-vllm: $(VLLM_STAMP)
 
 # Containers with podman (no Docker engine, no systemd, no reachable registry): the base image
 # from Debian packages (mmdebstrap, imported), deploy/Dockerfile on it, and tests/compose/, which
-# starts docker-compose.yml's kvmesh services and Redis (deploy/compose.offline.yaml), sends
-# requests through the published gateway port and compares the tokens with kvmesh up's.
+# starts docker-compose.yml's kvmesh services, Redis and stand-ins for its observability images
+# (deploy/compose.offline.yaml), sends requests through the published gateway port, compares the
+# tokens with kvmesh up's and checks the spans and scrape targets the stand-ins received.
 # deploy/podman/containers.conf holds podman's settings for such machines. WHEELS is a folder of
 # wheels mounted into the build as pip's find-links (torch 2.13.0+cpu lies in /opt/wheels here;
 # empty: PyPI only); CA_CERTS files of extra CA certificates to trust (default: the ones this
@@ -100,10 +101,16 @@ image-vllm: image-base
 	$(CPU_LOCK) podman run --rm $(VLLM_IMAGE) python -c \
 		"import vllm, vllm._C, services.worker.backends.vllm_engine; print('vllm', vllm.__version__)"
 
+# The observability stand-ins (deploy/standins/, test infrastructure) are built on $(IMAGE).
+STANDINS := otel-collector jaeger prometheus
 test-compose: $(STAMP) image
 	@start=$$(date +%s); $(CPU_LOCK) podman build -q -f deploy/redis.Dockerfile \
 		-t kvmesh-redis:local --build-arg BASE_IMAGE=$(BASE_IMAGE) . \
 		&& $(call elapsed,the Redis image kvmesh-redis:local)
+	@start=$$(date +%s); for target in $(STANDINS); do \
+		$(CPU_LOCK) podman build -q -f deploy/standins/Dockerfile --target $$target \
+			-t kvmesh-$$target:local --build-arg BASE_IMAGE=$(IMAGE) . || exit 1; \
+	done && $(call elapsed,the stand-in images kvmesh-{$(shell echo $(STANDINS) | tr ' ' ,)}:local)
 	$(CPU_LOCK) $(BIN)/pytest -q -s -o addopts="" tests/compose
 
 run: $(STAMP)

@@ -5,7 +5,10 @@ the Redis stand-in first; this module starts compose's kvmesh services and Redis
 podman-compose with deploy/compose.offline.yaml, waits until every health check passes (polled
 with `podman healthcheck run`: podman runs no timers without systemd), sends requests through
 the published gateway port, compares the tokens with those `kvmesh up` gives on the same
-prompts, and stops the stack, leaving no container, volume or network behind; then the same
+prompts, checks that one request's spans reach the Jaeger stand-in from the gateway, router and
+both workers under one trace id (through the collector stand-in, as the services export them)
+and that every scrape target of deploy/prometheus.yml answers the Prometheus stand-in, and
+stops the stack, leaving no container, volume or network behind; then the same
 with deploy/compose.tls.yaml (mutual TLS on every hop, the certificates made by its tls-certs
 step into a host folder, the client verifying the gateway with their CA). Each stage's time is
 printed (pytest -s).
@@ -19,11 +22,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 import kvmesh
 from kvmesh.stack import StackOptions, plan_stack
@@ -38,10 +43,18 @@ MODE_FILES = {
 """The variants run: as it is, with mutual TLS, with every worker service as 2 replicas."""
 REPLICAS = 2
 PLAN = plan_stack(StackOptions(mode="disaggregated"))
-SERVICES = ["redis", *(service.name for service in PLAN)]
-"""What the test starts after the one-shot steps: Redis and every service of `kvmesh up --mode
-disaggregated`, compose's split pools (the observability services are images from a registry,
-out of reach here)."""
+OBSERVABILITY = ["otel-collector", "jaeger", "prometheus"]
+"""docker-compose.yml's observability services that deploy/compose.offline.yaml has stand-ins
+for (deploy/standins/; Grafana has none)."""
+SERVICES = ["redis", *(service.name for service in PLAN), *OBSERVABILITY]
+"""What the test starts after the one-shot steps: Redis, every service of `kvmesh up --mode
+disaggregated` (compose's split pools) and the observability stand-ins."""
+EXPORTERS_CONNECTED_WITHIN_S = 240.0
+"""gRPC's reconnect backoff grows to 120 s: a service whose first exports failed may wait that
+long before its next connection attempt to the collector."""
+SPANS_WITHIN_S = 60.0
+"""The services' span processors export every 5 s (OpenTelemetry's default); the hops' server
+spans end with their calls."""
 DEMO_API_KEY = "kvm_compose-demo-key"
 PROMPTS = ["The quick brown fox", "Paged attention stores the KV cache in"]
 MAX_TOKENS = 16
@@ -274,18 +287,30 @@ def test_every_service_is_healthy(stack: ComposeStack) -> None:
     assert set(stack.healthy_after) == {name.removeprefix(prefix) for name in stack.containers()}
 
 
+def fetch_in(stack: ComposeStack, service: str, url: str) -> str:
+    """GET `url` from inside `service`'s container (its ports are not published)."""
+    read = (
+        "import sys, urllib.request as u; print(u.urlopen(sys.argv[1], timeout=10).read().decode())"
+    )
+    return run("podman", "exec", stack.container(service), "python", "-c", read, url)
+
+
+def logs(stack: ComposeStack, service: str) -> str:
+    """The last lines a service's container wrote, stdout and stderr."""
+    done = subprocess.run(
+        ["podman", "logs", "--tail", "20", stack.container(service)],
+        env=PODMAN_ENV,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done.stdout + done.stderr
+
+
 def router_metric(stack: ComposeStack, name: str) -> dict[str, float]:
     """A router metric's samples by their `pool` label, read inside the router's container."""
-    read = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:{}/metrics').read().decode())"
     router = next(s for s in PLAN if s.name == "router")
-    text = run(
-        "podman",
-        "exec",
-        stack.container("router"),
-        "python",
-        "-c",
-        read.format(router.metrics_port),
-    )
+    text = fetch_in(stack, "router", f"http://127.0.0.1:{router.metrics_port}/metrics")
     samples = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
@@ -320,6 +345,77 @@ def test_the_published_gateway_answers_with_kvmesh_ups_tokens(
     stack.stages["requests through compose"] = round(time.monotonic() - start, 1)
     assert [r.token_ids for r in results] == expected_tokens
     assert all(len(ids) > 0 for ids in expected_tokens)
+
+
+def test_one_requests_spans_reach_jaeger_from_gateway_router_and_workers(
+    stack: ComposeStack,
+) -> None:
+    """The services export their spans over OTLP to the collector stand-in, which sends them on
+    to the Jaeger stand-in: the trace of one request holds the gateway's, the router's and both
+    workers' spans (prefill-0 and decode-0: the KV hand-off), under one trace id. First every
+    service has to have delivered a span of the requests before (a service that started before
+    the collector retries with gRPC's growing reconnect backoff, dropping batches meanwhile)."""
+    wanted = {"admission": {"gateway"}, "router": {"router"}, "worker": {"prefill-0", "decode-0"}}
+    deadline = time.monotonic() + EXPORTERS_CONNECTED_WITHIN_S
+    services = "http://127.0.0.1:16686/api/services"
+    while not set(wanted) <= set(json.loads(fetch_in(stack, "jaeger", services))["data"]):
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"spans only from {fetch_in(stack, 'jaeger', services)}; collector:\n"
+                + logs(stack, "otel-collector")
+                + "router:\n"
+                + logs(stack, "router")
+            )
+        time.sleep(2)
+    with kvmesh.SyncClient(stack.gateway, api_key=DEMO_API_KEY, ca_file=stack.ca_file) as client:
+        result = client.generate(f"A trace of {stack.project}", max_tokens=4)
+    tags = urllib.parse.quote(json.dumps({"kvmesh.request_id": result.request_id}))
+    url = f"http://127.0.0.1:16686/api/traces?tags={tags}"
+    deadline = time.monotonic() + SPANS_WITHIN_S
+    while True:
+        traces = json.loads(fetch_in(stack, "jaeger", url))["data"]
+        instances: dict[str, set[str]] = {}
+        for trace in traces:
+            for process in trace["processes"].values():
+                instance = {
+                    t["value"] for t in process["tags"] if t["key"] == "service.instance.id"
+                }
+                instances.setdefault(process["serviceName"], set()).update(instance)
+        arrived = all(wanted[name] <= instances.get(name, set()) for name in wanted)
+        if arrived or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert arrived, f"spans of {result.request_id} from {instances}, want {wanted}: " + logs(
+        stack, "otel-collector"
+    )
+    assert len(traces) == 1, f"request {result.request_id} spread over {len(traces)} traces"
+
+
+def test_every_prometheus_target_answers_the_prometheus_stand_in(stack: ComposeStack) -> None:
+    """The scrape targets of deploy/prometheus.yml (every kvmesh service's metrics port) are
+    scraped from the Prometheus container and answer with the Prometheus text format."""
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "prometheus.yml").read_text(encoding="utf-8"))
+    configured = {
+        target
+        for job in config["scrape_configs"]
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    deadline = time.monotonic() + 30
+    while True:
+        answer = json.loads(fetch_in(stack, "prometheus", "http://127.0.0.1:9090/api/v1/targets"))
+        targets = {t["labels"]["instance"]: t for t in answer["data"]["activeTargets"]}
+        down = {
+            name: t["lastError"] or t["health"]
+            for name, t in targets.items()
+            if t["health"] != "up"
+        }
+        if not down or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert set(targets) == configured
+    assert not down
+    assert all(t["samples"] > 0 for t in targets.values())
 
 
 def test_with_tls_a_client_without_the_ca_is_refused(stack: ComposeStack) -> None:

@@ -155,7 +155,10 @@ def test_the_offline_override_names_real_services_and_overrides_no_list(
 ) -> None:
     """deploy/compose.offline.yaml (make test-compose): podman-compose 1.0.3 appends an
     override's lists to the file's own where docker compose replaces them, so it may set only
-    mappings and single values; every kvmesh service stops exporting traces (no collector)."""
+    mappings and single values; the kvmesh services are left as they are (they export spans
+    to the collector stand-in), the observability images are replaced by the stand-ins'
+    targets of deploy/standins/Dockerfile, and a health check is added only where the file has
+    none (podman-compose would merge two)."""
     override = yaml.safe_load((DEPLOY / "compose.offline.yaml").read_text(encoding="utf-8"))
 
     def lists_in(value: Any, path: str) -> list[str]:
@@ -168,9 +171,14 @@ def test_the_offline_override_names_real_services_and_overrides_no_list(
     assert not list(jsonschema.Draft202012Validator(compose_spec_schema()).iter_errors(override))
     assert set(override["services"]) <= set(compose)
     assert lists_in(override["services"], "services") == []
-    for service in PLAN:
-        assert override["services"][service.name]["environment"]["OTEL_TRACES_EXPORTER"] == "none"
+    assert not {service.name for service in PLAN} & set(override["services"])
     assert override["services"]["redis"]["build"]["dockerfile"] == "deploy/redis.Dockerfile"
+    for name in ("otel-collector", "jaeger", "prometheus"):
+        standin = override["services"][name]
+        assert standin["build"]["dockerfile"] == "deploy/standins/Dockerfile"
+        assert standin["build"]["target"] == name
+        assert standin["image"] == f"kvmesh-{name}:local"
+        assert "healthcheck" not in standin or "healthcheck" not in compose[name]
 
 
 def test_config_files_are_mounted_where_the_flags_point(compose: dict[str, Any]) -> None:
