@@ -4,8 +4,10 @@ The batch's tokens are laid out decode entries first (one token each, longest co
 then each prefill chunk as a contiguous run of rows. On CPU in float32, all decodes go through
 one call of the C kernel, which reads each row's blocks in place (decode_kernel.py). Elsewhere
 they are attended in groups of similar context length, one padded, masked SDPA call per group
-(the planner trades padding against calls). Each prefill chunk gets its own SDPA call (its
-queries would make a padded batch mostly padding).
+(the planner trades padding against calls). Each prefill chunk gets its own attention (its
+queries would make a padded batch mostly padding): on CPU, a chunk after a cached prefix
+attends to the prefix and to itself in two flash-attention calls merged by their
+log-sum-exps, where one masked call would compute the masked half too.
 Everything that does not change from layer to layer (flat block ids, masks, cache views) is
 built once per step or once per runner, to keep the per-layer Python work small.
 """
@@ -44,10 +46,11 @@ class PrefillSpan:
     row_start: int
     row_end: int
     block_ids: torch.Tensor  # [blocks covering the chunk's whole context], long
-    # [chunk, context] additive (0 / -inf) causal mask (sliding window included); None when
-    # the chunk is the whole context so far (start_pos == 0) and no window hides any of it:
-    # plain causal attention over the fresh K/V.
+    # [chunk, context] additive (0 / -inf) causal mask (sliding window included), or None:
+    # then the chunk attends causally to its fresh K/V and, when prefix_len > 0, to the whole
+    # prefix before it (see prefill_attention).
     mask: torch.Tensor | None
+    prefix_len: int = 0  # tokens of the sequence in the cache before the chunk
 
 
 @dataclass(slots=True)
@@ -123,17 +126,44 @@ def paged_attention(
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask)
         outputs.append(out.reshape(entries, -1, head_dim))
     for span in batch.prefills:
-        rows = slice(span.row_start, span.row_end)
-        queries = q[rows].transpose(0, 1).unsqueeze(0)
-        if span.mask is None:
-            keys = k[rows].transpose(0, 1).unsqueeze(0)
-            values = v[rows].transpose(0, 1).unsqueeze(0)
-        else:
-            context = span.mask.shape[-1]
-            keys = gather_context(cache.key_blocks, span.block_ids, 1)[:, :, :context]
-            values = gather_context(cache.value_blocks, span.block_ids, 1)[:, :, :context]
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=True
-        )
-        outputs.append(out.squeeze(0).transpose(0, 1))
+        outputs.append(prefill_attention(q, k, v, cache, span))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKvCache, span: PrefillSpan
+) -> torch.Tensor:
+    """One prefill chunk's attention output [chunk, heads, dim].
+
+    A chunk after a prefix without a mask is two flash-attention calls, the chunk against the
+    prefix (every query sees every prefix key) and against its own K/V (causal), merged by
+    their log-sum-exps: one call with a [chunk, context] mask would compute every masked
+    score too and read the mask (measured: the second 512-token chunk of a 1,024-token
+    prompt spent a third of its step in that call)."""
+    rows = slice(span.row_start, span.row_end)
+    queries = q[rows].transpose(0, 1).unsqueeze(0)
+    own_keys = k[rows].transpose(0, 1).unsqueeze(0)
+    own_values = v[rows].transpose(0, 1).unsqueeze(0)
+    if span.mask is not None:
+        context = span.mask.shape[-1]
+        keys = gather_context(cache.key_blocks, span.block_ids, 1)[:, :, :context]
+        values = gather_context(cache.value_blocks, span.block_ids, 1)[:, :, :context]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=span.mask, enable_gqa=True
+        )
+    elif span.prefix_len == 0:
+        out = F.scaled_dot_product_attention(
+            queries, own_keys, own_values, is_causal=True, enable_gqa=True
+        )
+    else:
+        prefix = span.prefix_len
+        keys = gather_context(cache.key_blocks, span.block_ids, 1)[:, :, :prefix]
+        values = gather_context(cache.value_blocks, span.block_ids, 1)[:, :, :prefix]
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        before, before_lse = flash(queries, keys, values, 0.0, False)
+        out, own_lse = flash(queries, own_keys, own_values, 0.0, True)
+        # softmax over both parts = each part's softmax weighted by its share of the total
+        # exp-sum: sigmoid(lse_before - lse_own) for the prefix part.
+        share = torch.sigmoid(before_lse - own_lse).unsqueeze(-1).to(out.dtype)
+        out = out.add_(before.sub_(out).mul_(share))
+    return out.squeeze(0).transpose(0, 1)

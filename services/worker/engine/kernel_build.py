@@ -1,8 +1,9 @@
 """The engine's C kernels (kernels/*.c): compiled on first use, cached, loaded, chosen.
 
 Each kernel is compiled with the machine's C compiler the first time it is needed and cached
-under ~/.cache/kvmesh/kernels, keyed by the source, the flags, the compiler and the CPU, since
-it is built for this CPU (-march=native). Without a compiler the engine keeps torch's path.
+under ~/.cache/kvmesh/kernels, keyed by the source (with the headers in kernels/), the flags,
+the compiler and the CPU, since it is built for this CPU (-march=native). Without a compiler
+the engine keeps torch's path.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
-# -fno-math-errno lets expf vectorize; no -ffast-math, whose start-up code would flip the
-# whole process's floating-point flags.
+# -fno-math-errno lets sqrtf inline; glibc's expf stays a call per element without
+# -ffast-math, so the kernels take e^x from kernels/exp_approx.h. No -ffast-math: its
+# start-up code would flip the whole process's floating-point flags.
 CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 
 Kernel = TypeVar("Kernel")
@@ -80,7 +82,15 @@ def build(name: str) -> Path:
         raise KernelUnavailable("no C compiler (cc, or $CC) on PATH")
     version = _run([compiler, "--version"])
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(CFLAGS).encode(), version.encode(), _cpu_id()):
+    # The headers the kernels share are part of every kernel's source.
+    headers = [header.read_bytes() for header in sorted(KERNELS_DIR.glob("*.h"))]
+    for part in (
+        source.read_bytes(),
+        *headers,
+        " ".join(CFLAGS).encode(),
+        version.encode(),
+        _cpu_id(),
+    ):
         key.update(part)
     target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if not target.exists():

@@ -254,7 +254,9 @@ class ModelRunner:
         context = entry.start_pos + len(entry.token_ids)
         window = self.config.window_of(context)
         mask = None
-        if entry.start_pos > 0 or window is not None:
+        # Without a window the chunk after a prefix attends in two unmasked parts on the CPU
+        # (attention.prefill_attention); elsewhere through one masked call.
+        if window is not None or (entry.start_pos > 0 and self.device.type != "cpu"):
             query_positions = torch.arange(entry.start_pos, context)[:, None]
             key_positions = torch.arange(context)[None, :]
             blocked = key_positions > query_positions
@@ -266,6 +268,7 @@ class ModelRunner:
             row_end=row_end,
             block_ids=table[: math.ceil(context / self.block_size)].to(self.device),
             mask=mask,
+            prefix_len=entry.start_pos,
         )
 
 

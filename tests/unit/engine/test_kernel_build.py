@@ -90,6 +90,22 @@ def test_build_is_cached_by_source_and_compiled_once(
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no scratch left behind
 
 
+def test_a_changed_header_builds_the_kernel_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "shared.h").write_text("static inline int one(void) { return 1; }\n")
+    (source / "uses.c").write_text('#include "shared.h"\nint uses(void) { return one(); }\n')
+    monkeypatch.setattr(kernel_build, "KERNELS_DIR", source)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = kernel_build.build("uses")
+    (source / "shared.h").write_text("static inline int one(void) { return 2; }\n")
+    second = kernel_build.build("uses")
+    assert second != first
+    assert kernel_build.load_library("uses").uses() == 2
+
+
 def test_large_steps_take_onednn_unless_told_not_to() -> None:
     onednn = choose_linear_kernel("auto", CPU, torch.float32, 1, "onednn")
     plain = choose_linear_kernel("auto", CPU, torch.float32, 1, "torch")

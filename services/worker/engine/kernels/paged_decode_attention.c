@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_approx.h"
+
 typedef float v8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) {
@@ -53,7 +55,7 @@ static void softmax_in_place(float *restrict scores, int64_t n) {
     for (int64_t t = 0; t < n; t++) max = scores[t] > max ? scores[t] : max;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; t++) {
-        scores[t] = expf(scores[t] - max);
+        scores[t] = exp_approx(scores[t] - max);
         sum += scores[t];
     }
     const float inverse = 1.f / sum;

@@ -3,9 +3,10 @@
  *
  * With one to a few rows, every weight is used for that many multiply-adds after being read
  * from memory, so the product runs exactly as fast as the weights stream in. The weight rows
- * are split into contiguous slabs, one per OpenMP thread, and each slab is read once: four
- * weight rows at a time, whose 8-float vectors are multiplied into every x row (two at a time,
- * eight accumulators) while the four rows are still in L1.
+ * are split into contiguous slabs, one per OpenMP thread, and each slab is read once: for up
+ * to three rows one weight row after another, each multiplied into every x row while it is in
+ * L1; for more, four weight rows at a time, whose 8-float vectors are multiplied into every x
+ * row (two at a time, eight accumulators) while the four rows are still in L1.
  *
  * At batch 1 the small element-wise work around each projection costs as much as a quarter
  * of the step in torch (each op is a dispatch), so it is folded in here:
@@ -29,6 +30,8 @@
 #endif
 #include <stdlib.h>
 #include <string.h>
+
+#include "exp_approx.h"
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -144,8 +147,8 @@ ALWAYS_INLINE void four_outputs(const float *x, int64_t rows, int64_t x_stride, 
     }
 }
 
-/* Output n of every row (the last outs % 4 outputs). */
-static void one_output(const float *x, int64_t rows, int64_t x_stride, const void *w,
+/* Output n of every row (the four-row path's last outs % 4 outputs). */
+static void last_output(const float *x, int64_t rows, int64_t x_stride, const void *w,
                        const uint16_t *scales, const float *bias, int64_t in, float *y,
                        int64_t outs, int accumulate) {
     for (int64_t m = 0; m < rows; m++) {
@@ -154,6 +157,102 @@ static void one_output(const float *x, int64_t rows, int64_t x_stride, const voi
         for (int64_t k = 0; k < in; k++) dot += weight1(w, k, scales != NULL) * xm[k];
         store(y + m * outs, &dot, scales, bias, 1, accumulate);
     }
+}
+
+/* Steps of fewer rows stream one weight row at a time (weight_row); from this many rows, four
+ * weight rows at a time are multiplied into two x rows at a time (four_outputs), which loads
+ * fewer vectors per multiply-add once the product is bound by arithmetic, not by memory
+ * (measured on an AMD EPYC Zen 4, 1 thread: at 1 row the streamed rows read the weights 1.65x
+ * faster, at 4 rows both take the same time, at 16 the four-row path 1.4x less). */
+enum { STREAM_MAX_ROWS = 3, ROW_GROUP = 3 };
+
+/* x rows [0, count) (row stride x_stride) against one weight row w: dots[m]. Two
+ * accumulators per x row along k keep more than one multiply-add in flight at batch 1.
+ * `count` is a literal at the call sites: each count gets its own unrolled code. */
+ALWAYS_INLINE void weight_row(const float *x, int64_t x_stride, int count, const void *w,
+                              int64_t in, int quantized, float dots[ROW_GROUP]) {
+    const int64_t body = in & ~(int64_t)15;
+    v8 lo[ROW_GROUP] = {{0}}, hi[ROW_GROUP] = {{0}};
+    for (int64_t k = 0; k < body; k += 16) {
+        const v8 u = weights8(w, k, quantized), u2 = weights8(w, k + 8, quantized);
+        for (int m = 0; m < count; m++) {
+            lo[m] += u * load8(x + m * x_stride + k);
+            hi[m] += u2 * load8(x + m * x_stride + k + 8);
+        }
+    }
+    for (int m = 0; m < count; m++) {
+        float dot = sum8(lo[m] + hi[m]);
+        for (int64_t k = body; k < in; k++) dot += weight1(w, k, quantized) * x[m * x_stride + k];
+        dots[m] = dot;
+    }
+}
+
+/* Output n (w pointing at its weight row, scale its int8 scale or 1, bias its bias or 0) of
+ * every row. */
+ALWAYS_INLINE void streamed_output(const float *x, int64_t rows, int64_t x_stride, const void *w,
+                                   float scale, float bias, int quantized, int64_t in, float *y,
+                                   int64_t outs, int accumulate) {
+    float dots[ROW_GROUP];
+    for (int64_t m = 0; m < rows; m += ROW_GROUP) {
+        const int64_t count = rows - m < ROW_GROUP ? rows - m : ROW_GROUP;
+        const float *xm = x + m * x_stride;
+        switch (count) {
+        case 1: weight_row(xm, x_stride, 1, w, in, quantized, dots); break;
+        case 2: weight_row(xm, x_stride, 2, w, in, quantized, dots); break;
+        default: weight_row(xm, x_stride, 3, w, in, quantized, dots); break;
+        }
+        for (int64_t r = 0; r < count; r++) {
+            float *out = y + (m + r) * outs;
+            *out = dots[r] * scale + bias + (accumulate ? *out : 0.f);
+        }
+    }
+}
+
+/* Each thread reads a contiguous slab of weight rows one row after another: a single
+ * sequential stream, which the hardware prefetcher follows at the memory's read bandwidth
+ * (four rows read interleaved reached ~0.6x of it on an AMD EPYC Zen 4). One loop per weight
+ * kind, so that each is compiled for its kind. */
+static void streamed_rows(const float *x, int64_t rows, int64_t x_stride, const void *w,
+                          const uint16_t *scales, const float *bias, int64_t in, int64_t outs,
+                          float *y, int accumulate, int num_threads) {
+    if (scales == NULL) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t n = 0; n < outs; n++)
+            streamed_output(x, rows, x_stride, (const float *)w + n * in, 1.f,
+                            bias == NULL ? 0.f : bias[n], 0, in, y + n, outs, accumulate);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t n = 0; n < outs; n++)
+            streamed_output(x, rows, x_stride, (const int8_t *)w + n * in,
+                            bf16_to_float(scales[n]), bias == NULL ? 0.f : bias[n], 1, in, y + n,
+                            outs, accumulate);
+    }
+}
+
+static void four_row_groups(const float *x, int64_t rows, int64_t x_stride, const void *w,
+                            const uint16_t *scales, const float *bias, int64_t in, int64_t outs,
+                            float *y, int accumulate, int num_threads) {
+    const int64_t groups = outs / WEIGHT_ROWS, group_size = WEIGHT_ROWS * in;
+    const size_t weight_bytes = scales == NULL ? sizeof(float) : 1;
+    const char *weights = w;
+    /* One loop per weight kind, so that each is compiled for its kind. */
+    if (scales == NULL) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t g = 0; g < groups; g++)
+            four_outputs(x, rows, x_stride, (const float *)w + g * group_size, NULL,
+                         bias == NULL ? NULL : bias + g * WEIGHT_ROWS, 0, in, y + g * WEIGHT_ROWS,
+                         outs, accumulate);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+        for (int64_t g = 0; g < groups; g++)
+            four_outputs(x, rows, x_stride, (const int8_t *)w + g * group_size,
+                         scales + g * WEIGHT_ROWS, bias == NULL ? NULL : bias + g * WEIGHT_ROWS, 1,
+                         in, y + g * WEIGHT_ROWS, outs, accumulate);
+    }
+    for (int64_t n = groups * WEIGHT_ROWS; n < outs; n++)
+        last_output(x, rows, x_stride, weights + (size_t)(n * in) * weight_bytes,
+                   scales == NULL ? NULL : scales + n, bias == NULL ? NULL : bias + n, in, y + n,
+                   outs, accumulate);
 }
 
 static void rms_norm_row(const float *restrict x, const float *restrict weight, float eps,
@@ -169,7 +268,8 @@ static void rms_norm_row(const float *restrict x, const float *restrict weight, 
 static void swiglu_row(const float *restrict gate_up, int64_t in, float *restrict out) {
     const float *up = gate_up + in;
 #pragma omp simd
-    for (int64_t k = 0; k < in; k++) out[k] = gate_up[k] / (1.f + expf(-gate_up[k])) * up[k];
+    for (int64_t k = 0; k < in; k++)
+        out[k] = gate_up[k] / (1.f + exp_approx(-gate_up[k])) * up[k];
 }
 
 /* out = f(x) for `rows` rows (the norm, or the SwiGLU when gated), rows split over the
@@ -205,27 +305,10 @@ int small_batch_linear(const float *x, int64_t rows, int64_t x_stride, const flo
         x = scratch;
         x_stride = in;
     }
-    const int64_t groups = outs / WEIGHT_ROWS, group_size = WEIGHT_ROWS * in;
-    const size_t weight_bytes = scales == NULL ? sizeof(float) : 1;
-    const char *weights = w;
-    /* One loop per weight kind, so that each is compiled for its kind. */
-    if (scales == NULL) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t g = 0; g < groups; g++)
-            four_outputs(x, rows, x_stride, (const float *)w + g * group_size, NULL,
-                         bias == NULL ? NULL : bias + g * WEIGHT_ROWS, 0, in, y + g * WEIGHT_ROWS,
-                         outs, accumulate);
-    } else {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t g = 0; g < groups; g++)
-            four_outputs(x, rows, x_stride, (const int8_t *)w + g * group_size,
-                         scales + g * WEIGHT_ROWS, bias == NULL ? NULL : bias + g * WEIGHT_ROWS, 1,
-                         in, y + g * WEIGHT_ROWS, outs, accumulate);
-    }
-    for (int64_t n = groups * WEIGHT_ROWS; n < outs; n++)
-        one_output(x, rows, x_stride, weights + (size_t)(n * in) * weight_bytes,
-                   scales == NULL ? NULL : scales + n, bias == NULL ? NULL : bias + n, in, y + n,
-                   outs, accumulate);
+    if (rows <= STREAM_MAX_ROWS)
+        streamed_rows(x, rows, x_stride, w, scales, bias, in, outs, y, accumulate, num_threads);
+    else
+        four_row_groups(x, rows, x_stride, w, scales, bias, in, outs, y, accumulate, num_threads);
     free(scratch);
     return 0;
 }
