@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 
 from opentelemetry import trace
 
+from kvmesh.background import reap
 from kvmesh.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
@@ -81,10 +82,13 @@ class CancelWatch(Generic[Message]):
 
     async def close(self) -> None:
         """Stops reading; safe to call more than once."""
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        if self._task is None:
+            return
+        self._task.cancel()
+        # Awaited even when it already ended: a read that failed as the call ended (an
+        # ordinary end of the request stream) is retrieved here, never left to the loop.
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
 
 
 async def run_unless_cancelled(work: Awaitable[T], cancelled: asyncio.Event) -> T | None:
@@ -95,19 +99,23 @@ async def run_unless_cancelled(work: Awaitable[T], cancelled: asyncio.Event) -> 
     of the caller's own task propagates, never swallowed by the wait for `work` to end."""
     task = asyncio.ensure_future(work)
     waiter = asyncio.ensure_future(cancelled.wait())
+    answered = False
     try:
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
+            answered = True
             return task.result()
     finally:
         waiter.cancel()
+        if not answered:
+            # Nobody asks for its outcome past here, even when it ended with an error just as
+            # our own task was cancelled (a deadline passing on both sides of a hop at once).
+            reap(task, "work abandoned by a cancel", logging.DEBUG)
         if not task.done():
             # Waited for (a generator being advanced must stop before it can be closed),
             # without swallowing a cancel of our own task: that one propagates after.
             task.cancel()
             await asyncio.wait({task})
-            if not task.cancelled():
-                task.exception()  # retrieved: it ends here, with nobody left to report it
     return None
 
 

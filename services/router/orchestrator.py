@@ -27,12 +27,12 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from opentelemetry import trace
 
+from kvmesh.background import Background
 from kvmesh.contracts.sampling import AUTO_MODEL
 from kvmesh.errors import (
     AlreadyExists,
@@ -123,7 +123,7 @@ class Orchestrator:
     """A decoding stream quiet for this many of its worker's measured step times ..."""
     stall_floor_s: float = 2.0
     """... and at least this long has a stalled worker."""
-    _background: set[asyncio.Task[None]] = field(default_factory=set)
+    _background: Background = field(default_factory=Background)
     _policies: dict[str, PlacementPolicy] = field(init=False)
     _request_ids: set[str] = field(default_factory=set)
     """Ids of the requests running: a second one under an id in use is refused."""
@@ -345,7 +345,10 @@ class Orchestrator:
         except KvmeshError as error:
             tier = attempt.plan.tier
             metrics.FAILURES_AFTER_FIRST_TOKEN.labels(tier).inc()
-            self._spawn(self.monitor.check_many([w.address for w in attempt.plan.workers]))
+            self._background.spawn(
+                self.monitor.check_many([w.address for w in attempt.plan.workers]),
+                f"health check of {tier} after a broken stream",
+            )
             raise Unavailable(
                 f"{tier}: the stream broke after the first token and is not re-run "
                 f"({error.status}: {error.message}); {usage.describe()}"
@@ -492,7 +495,10 @@ class Orchestrator:
         finally:
             if prefilled.HasField("lease") and not attempt.handed_off:
                 # No decode worker imported the KV (once one has, it releases the lease).
-                self._spawn(self.workers.release(prefill_address, prefilled.lease.lease_id))
+                self._background.spawn(
+                    self.workers.release(prefill_address, prefilled.lease.lease_id),
+                    f"ReleaseKv on {prefill_address}",
+                )
 
     async def _after_prefill(
         self,
@@ -542,7 +548,10 @@ class Orchestrator:
             # its lease is released at once instead of holding blocks until its TTL.
             return await asyncio.shield(prefill)
         except asyncio.CancelledError:
-            self._spawn(self._release_granted(address, prefill))
+            self._background.spawn(
+                self._release_granted(address, prefill),
+                f"release of an abandoned Prefill's lease on {address}",
+            )
             raise
 
     async def _handed_off(
@@ -576,15 +585,9 @@ class Orchestrator:
         if prefilled.HasField("lease"):
             await self.workers.release(address, prefilled.lease.lease_id)
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
     async def close(self) -> None:
         """Waits for the background lease releases (at shutdown)."""
-        if self._background:
-            await asyncio.wait(self._background, timeout=RELEASE_WAIT_S)
+        await self._background.wait(RELEASE_WAIT_S)
 
 
 async def _set_when(waited: asyncio.Event, then: asyncio.Event) -> None:

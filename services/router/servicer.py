@@ -8,13 +8,12 @@ far (see orchestrator.py).
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator
 
 import grpc
 
+from kvmesh.background import Background
 from kvmesh.contracts.constraints import checked_constraint
 from kvmesh.errors import InvalidArgument
 from kvmesh.request_limits import check_inference_request
@@ -47,7 +46,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.registry = registry
         self.orchestrator = orchestrator
         self.monitor = monitor
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = Background()
 
     async def Generate(
         self,
@@ -68,7 +67,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # gRPC may drop a handler whose caller went away without resuming it: the end of the
         # RPC itself stops the downstream calls.
         live: set[Coalescer[common_pb2.GenerateEvent]] = set()
-        context.add_done_callback(lambda _: self._spawn(_close_all(live)))
+        context.add_done_callback(
+            lambda _: self._background.spawn(_close_all(live), f"closing {request.request_id}")
+        )
         span = _tracer.start_span(
             "router.generate",
             attributes={
@@ -85,11 +86,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             await watch.close()
             await _close_all(live)
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,62 @@
+"""Background work whose outcome is always retrieved: no "Task exception was never retrieved".
+
+A task nobody awaits (a lease release, a health check, a stream read abandoned by a caller
+that went away) still ends somehow. An ordinary ending (cancelled, or a KvmeshError: a
+deadline, a worker gone) is logged at `ordinary_level` in one line naming the work; anything
+else is a bug and is logged at ERROR with its traceback. Nothing here imports gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from kvmesh.errors import KvmeshError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def reap(task: asyncio.Future[T], what: str, ordinary_level: int = logging.INFO) -> None:
+    """Retrieves `task`'s outcome once it ends, logging a failure (see the module docstring).
+
+    For a task whose result nobody will ask for; one that is awaited reports its own error."""
+
+    def retrieve(done: asyncio.Future[T]) -> None:
+        if done.cancelled():
+            return
+        error = done.exception()
+        if error is None:
+            return
+        if isinstance(error, KvmeshError):
+            log.log(ordinary_level, "%s: %s: %s", what, error.status, error.message)
+        else:
+            log.error("%s failed", what, exc_info=error)
+
+    task.add_done_callback(retrieve)
+
+
+class Background:
+    """Fire-and-forget tasks, held until they end (the loop keeps only weak references) and
+    reaped (see `reap`)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(
+        self, work: Coroutine[Any, Any, T], what: str, ordinary_level: int = logging.INFO
+    ) -> asyncio.Task[T]:
+        """Runs `work` in the background; `what` names it in the log line of a failure."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        reap(task, what, ordinary_level)
+        return task
+
+    async def wait(self, timeout_s: float) -> None:
+        """Waits at most `timeout_s` for the running tasks (at shutdown)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
