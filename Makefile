@@ -102,7 +102,7 @@ image-vllm: image-base
 		"import vllm, vllm._C, services.worker.backends.vllm_engine; print('vllm', vllm.__version__)"
 
 # The observability stand-ins (deploy/standins/, test infrastructure) are built on $(IMAGE).
-STANDINS := otel-collector jaeger prometheus
+STANDINS := otel-collector jaeger prometheus grafana
 test-compose: $(STAMP) image
 	@start=$$(date +%s); $(CPU_LOCK) podman build -q -f deploy/redis.Dockerfile \
 		-t kvmesh-redis:local --build-arg BASE_IMAGE=$(BASE_IMAGE) . \

@@ -1,5 +1,6 @@
 """A stand-in for Prometheus in docker-compose.yml, for machines that reach no container registry
-(make test-compose). Test infrastructure: it stores no series.
+(make test-compose). Test infrastructure: it stores no series, only the names of those the last
+scrape of each target returned.
 
 It reads the Prometheus configuration the real server would (--config.file, default
 /etc/prometheus/prometheus.yml: global.scrape_interval, each job's static_configs targets,
@@ -9,6 +10,8 @@ Prometheus text format, and answers on --web.listen-address (default 0.0.0.0:909
   GET /api/v1/targets               each target's health ("up" after a scrape that answered
                                     and parsed), lastError, lastScrape and its sample count,
                                     in the shape of Prometheus's targets API
+  GET /api/v1/label/__name__/values the metric (sample) names of every target's last scrape
+                                    that answered, sorted, as Prometheus's label values API
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class Target:
     last_scrape: str = "0001-01-01T00:00:00Z"
     last_duration_s: float = 0.0
     samples: int = 0
+    names: frozenset[str] = frozenset()
+    """The sample names of the last scrape that answered and parsed."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def scrape(self) -> None:
@@ -50,12 +55,15 @@ class Target:
         try:
             with urllib.request.urlopen(self.url, timeout=self.interval_s) as response:
                 text = response.read().decode()
-            samples = sum(len(family.samples) for family in text_string_to_metric_families(text))
+            found = [s for family in text_string_to_metric_families(text) for s in family.samples]
+            samples, names = len(found), frozenset(sample.name for sample in found)
             health, error = "up", ""
         except Exception as failure:  # noqa: BLE001 - any failure is the target's health
-            samples, health, error = 0, "down", f"{type(failure).__name__}: {failure}"
+            samples, names = 0, self.names
+            health, error = "down", f"{type(failure).__name__}: {failure}"
         with self.lock:
             self.health, self.last_error, self.samples = health, error, samples
+            self.names = names
             self.last_scrape = datetime.now(UTC).isoformat().replace("+00:00", "Z")
             self.last_duration_s = time.monotonic() - start
 
@@ -123,6 +131,10 @@ def serve(address: str, targets: list[Target]) -> None:
                     "status": "success",
                     "data": {"activeTargets": active, "droppedTargets": []},
                 }
+                return 200, json.dumps(body).encode(), "application/json"
+            if path == "/api/v1/label/__name__/values":
+                names = sorted(set().union(*(target.names for target in targets)))
+                body = {"status": "success", "data": names}
                 return 200, json.dumps(body).encode(), "application/json"
             return 404, f"{path}: not in this stand-in\n".encode(), "text/plain"
 

@@ -6,8 +6,9 @@ podman-compose with deploy/compose.offline.yaml, waits until every health check 
 with `podman healthcheck run`: podman runs no timers without systemd), sends requests through
 the published gateway port, compares the tokens with those `kvmesh up` gives on the same
 prompts, checks that one request's spans reach the Jaeger stand-in from the gateway, router and
-both workers under one trace id (through the collector stand-in, as the services export them)
-and that every scrape target of deploy/prometheus.yml answers the Prometheus stand-in, and
+both workers under one trace id (through the collector stand-in, as the services export them),
+that every scrape target of deploy/prometheus.yml answers the Prometheus stand-in and that the
+Grafana stand-in lists the kvmesh dashboard, whose every queried metric is scraped, and
 stops the stack, leaving no container, volume or network behind; then the same
 with deploy/compose.tls.yaml (mutual TLS on every hop, the certificates made by its tls-certs
 step into a host folder, the client verifying the gateway with their CA). Each stage's time is
@@ -43,9 +44,9 @@ MODE_FILES = {
 """The variants run: as it is, with mutual TLS, with every worker service as 2 replicas."""
 REPLICAS = 2
 PLAN = plan_stack(StackOptions(mode="disaggregated"))
-OBSERVABILITY = ["otel-collector", "jaeger", "prometheus"]
-"""docker-compose.yml's observability services that deploy/compose.offline.yaml has stand-ins
-for (deploy/standins/; Grafana has none)."""
+OBSERVABILITY = ["otel-collector", "jaeger", "prometheus", "grafana"]
+"""docker-compose.yml's observability services, as stand-ins (deploy/compose.offline.yaml,
+deploy/standins/)."""
 SERVICES = ["redis", *(service.name for service in PLAN), *OBSERVABILITY]
 """What the test starts after the one-shot steps: Redis, every service of `kvmesh up --mode
 disaggregated` (compose's split pools) and the observability stand-ins."""
@@ -416,6 +417,45 @@ def test_every_prometheus_target_answers_the_prometheus_stand_in(stack: ComposeS
     assert set(targets) == configured
     assert not down
     assert all(t["samples"] > 0 for t in targets.values())
+
+
+EVENT_ONLY_METRICS = {"kvmesh:requests_shed_total", "kvmesh:router_retries_total"}
+"""Dashboard metrics with labels that a service exports only once their event happened (a
+refusal, a retry): none does on a stack that served a few requests."""
+UNSCRAPED_REPLICA_METRICS = {
+    "kvmesh:generation_tokens_total",
+    "kvmesh:inter_token_latency_seconds_bucket",
+    "kvmesh:kv_transfer_bytes_total",
+}
+"""With replicas, deploy/prometheus.yml's static targets name each worker service once, so
+Prometheus scrapes one of its containers (the address DNS answers first), which may not have
+served a request: a worker metric with labels exists only in the one that did."""
+
+
+def test_grafana_lists_the_dashboard_and_prometheus_has_its_metrics(stack: ComposeStack) -> None:
+    """The Grafana stand-in loaded deploy/grafana's provisioning: /api/search lists the kvmesh
+    dashboard, and every metric name its panels query (the stand-in asks the provisioned
+    Prometheus datasource on each /api/health) is scraped from some service after a few
+    requests, but those of EVENT_ONLY_METRICS (and, with replicas, UNSCRAPED_REPLICA_METRICS)."""
+    grafana = "http://127.0.0.1:3000"
+    search = json.loads(fetch_in(stack, "grafana", f"{grafana}/api/search"))
+    assert [(hit["uid"], hit["folderTitle"]) for hit in search] == [("kvmesh", "kvmesh")]
+    with kvmesh.SyncClient(stack.gateway, api_key=DEMO_API_KEY, ca_file=stack.ca_file) as client:
+        for prompt in PROMPTS:
+            client.generate(prompt, max_tokens=4)
+    allowed = EVENT_ONLY_METRICS | (UNSCRAPED_REPLICA_METRICS if stack.replicas > 1 else set())
+    deadline = time.monotonic() + 30  # a few of Prometheus's 5 s scrape intervals
+    while True:
+        health = json.loads(fetch_in(stack, "grafana", f"{grafana}/api/health"))
+        board = health["dashboardMetrics"]["kvmesh"]
+        missing = set(board["missing"]) - allowed
+        if (not missing and not board["errors"]) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert health["database"] == "ok"
+    assert not board["errors"]
+    assert not missing, f"the dashboard queries metrics no service exports: {sorted(missing)}"
+    assert len(board["metrics"]) > len(allowed)
 
 
 def test_with_tls_a_client_without_the_ca_is_refused(stack: ComposeStack) -> None:

@@ -173,7 +173,7 @@ def test_the_offline_override_names_real_services_and_overrides_no_list(
     assert lists_in(override["services"], "services") == []
     assert not {service.name for service in PLAN} & set(override["services"])
     assert override["services"]["redis"]["build"]["dockerfile"] == "deploy/redis.Dockerfile"
-    for name in ("otel-collector", "jaeger", "prometheus"):
+    for name in ("otel-collector", "jaeger", "prometheus", "grafana"):
         standin = override["services"][name]
         assert standin["build"]["dockerfile"] == "deploy/standins/Dockerfile"
         assert standin["build"]["target"] == name
