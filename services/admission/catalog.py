@@ -91,12 +91,13 @@ class ModelCatalog:
     async def models(self) -> list[ModelSpec]:
         """Every tier, in the router's order. A stale list is refetched behind the requests,
         which go on with it meanwhile (no request waits for the router's answer, a refusal
-        least of all); only the first fetch is waited for."""
-        if self._clock() - self._fetched_at >= self._refresh_s:
-            if self._models is None:
-                await self._refresh()
-            elif self._refreshing is None or self._refreshing.done():
-                self._refreshing = asyncio.create_task(self._refresh())
+        least of all). Waited for: the first fetch, and the refetch of a list that named a tier
+        before any of its workers had reported (a stack just started), stale or not."""
+        stale = self._clock() - self._fetched_at >= self._refresh_s
+        if self._models is None or not _settled(self._models):
+            await self._refresh()  # at most one fetch a second (_refresh)
+        elif stale and (self._refreshing is None or self._refreshing.done()):
+            self._refreshing = asyncio.create_task(self._refresh())
         if self._models is None:
             raise Unavailable("the router is unreachable: no model list yet")
         return self._models
@@ -121,6 +122,9 @@ class ModelCatalog:
         if found is None:
             known = ", ".join([m.id for m in models] + [AUTO_MODEL])
             raise InvalidArgument("model", f"unknown model {name!r} (available: {known})")
+        if found.context_length <= 0:
+            # Not a limit of the request: no worker of the tier has said what it serves yet.
+            raise Unavailable(f"model {found.id!r}: no worker has reported its context length yet")
         return found
 
     async def tokenizer(self, model: ModelSpec) -> TokenizerLike:
@@ -171,6 +175,12 @@ class ModelCatalog:
             self._fetched_at = self._clock()
 
 
+def _settled(models: list[ModelSpec]) -> bool:
+    """Whether every tier's workers had reported when the list was made (the router lists a
+    tier whose workers have not answered yet with context length 0)."""
+    return all(m.context_length > 0 for m in models)
+
+
 def _find(models: list[ModelSpec], name: str) -> ModelSpec | None:
     return next((m for m in models if m.id == name), None)
 
@@ -181,7 +191,7 @@ def _auto_spec(models: list[ModelSpec], default_tier: str) -> ModelSpec:
     Routing by difficulty assumes the tiers share a tokenizer (tiers of one model family).
     """
     base = _find(models, default_tier) or models[0]
-    shortest = min(m.context_length for m in models)
+    shortest = min((m.context_length for m in models if m.context_length > 0), default=0)
     return replace(base, id=AUTO_MODEL, fingerprint="", context_length=shortest)
 
 
