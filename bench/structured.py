@@ -421,40 +421,31 @@ def plot(summaries: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (speed, compile_axis) = plt.subplots(1, 2, figsize=(10, 4))
-    backends = list(summaries)
-    positions = range(len(backends))
-    width = 0.38
-    speed.bar(
-        [p - width / 2 for p in positions],
-        [summaries[b]["free_tok_s"] for b in backends],
-        width,
-        label="64 free",
+    _paired_bars(
+        speed, summaries, ("free_tok_s", "64 free"), ("mixed_tok_s", "32 schema + 32 free")
     )
-    speed.bar(
-        [p + width / 2 for p in positions],
-        [summaries[b]["mixed_tok_s"] for b in backends],
-        width,
-        label="32 schema + 32 free",
-    )
-    speed.set_xticks(list(positions), backends)
     speed.set_ylabel("output tokens/s")
-    speed.legend()
-    compile_axis.bar(
-        [p - width / 2 for p in positions],
-        [summaries[b]["compile_cold_ms_p50"] for b in backends],
-        width,
-        label="cold p50",
+    _paired_bars(
+        compile_axis,
+        summaries,
+        ("compile_cold_ms_p50", "cold p50"),
+        ("compile_cold_ms_p99", "cold p99"),
     )
-    compile_axis.bar(
-        [p + width / 2 for p in positions],
-        [summaries[b]["compile_cold_ms_p99"] for b in backends],
-        width,
-        label="cold p99",
-    )
-    compile_axis.set_xticks(list(positions), backends)
     compile_axis.set_ylabel("schema compile (ms)")
-    compile_axis.legend()
     save_figure(fig, path, f"Structured output on {MODEL}, {CONCURRENCY} concurrent")
+
+
+def _paired_bars(
+    axis: Any, summaries: dict[str, dict[str, Any]], left: tuple[str, str], right: tuple[str, str]
+) -> None:
+    """Two bars per backend, side by side: (summary key, legend label) each."""
+    backends = list(summaries)
+    width = 0.38
+    for offset, (key, label) in ((-width / 2, left), (width / 2, right)):
+        positions = [p + offset for p in range(len(backends))]
+        axis.bar(positions, [summaries[b][key] for b in backends], width, label=label)
+    axis.set_xticks(list(range(len(backends))), backends)
+    axis.legend()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
