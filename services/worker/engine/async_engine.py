@@ -79,8 +79,11 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        """Load the model and build the engine (blocking; call before the loop is busy)."""
-        return cls(Engine.from_config(config))
+        """Load the model and build the engine (blocking; call before the loop is busy).
+
+        The build runs on a thread of its own that ends before this returns, never on the
+        caller's: see `_load_apart`."""
+        return cls(_load_apart(config))
 
     @property
     def engine(self) -> Engine:
@@ -358,6 +361,21 @@ class AsyncEngine:
             for _, handle in items:
                 if handle is not None:
                     self._engine.release(handle.handle_id)
+
+
+def _load_apart(config: EngineConfig) -> Engine:
+    """Engine.from_config on a short-lived thread.
+
+    Loading runs torch's parallel ops, and the first one on a thread gives that thread an
+    OpenMP team that lives as long as the thread. torch's libgomp counts every team's threads,
+    and once they outnumber the cores its threads wait at each barrier by sleeping after a
+    hundred spins instead of some 300,000, whatever OMP_WAIT_POLICY or GOMP_SPINCOUNT say. A
+    team left on the caller (the worker's main thread) beside the engine thread's own did
+    just that: every layer of every step woke a sleeping thread. The team of a thread that
+    ends goes with it, so the engine thread's is the only one.
+    """
+    with ThreadPoolExecutor(1, thread_name_prefix="kvmesh-engine-load") as loader:
+        return loader.submit(Engine.from_config, config).result()
 
 
 def _command(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> Callable[[], None]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from pathlib import Path
@@ -44,6 +46,37 @@ async def engine(tiny_loaded: LoadedModel) -> AsyncIterator[AsyncEngine]:
     await async_engine.start()
     yield async_engine
     await async_engine.shutdown()
+
+
+# A fresh process: its threads before AsyncEngine.from_config, and after once the load's have
+# ended (they end just after it returns; a team left behind never does: 10 s is plenty).
+THREADS_AROUND_LOAD = """
+import os, sys, time
+from services.worker.engine.async_engine import AsyncEngine
+from services.worker.engine.config import EngineConfig
+threads = lambda: len(os.listdir("/proc/self/task"))
+before = threads()
+AsyncEngine.from_config(EngineConfig(model=sys.argv[1], num_kv_blocks=4096))
+for _ in range(100):
+    if threads() == before:
+        break
+    time.sleep(0.1)
+print(before, threads())
+"""
+
+
+def test_from_config_leaves_no_openmp_team_on_the_caller(tiny_llama_dir: Path) -> None:
+    """The load's parallel ops (the KV cache's zero fill among them) run on a thread that ends
+    with its OpenMP team: none stays on the caller beside the engine thread's, which would make
+    every team's threads sleep at barriers (async_engine._load_apart)."""
+    done = subprocess.run(
+        [sys.executable, "-c", THREADS_AROUND_LOAD, str(tiny_llama_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    before, after = done.stdout.split()
+    assert after == before
 
 
 def prompt(seed: int, length: int) -> list[int]:
