@@ -24,7 +24,7 @@ from services.worker.engine.attention import (
     PrefillSpan,
 )
 from services.worker.engine.decode_kernel import DecodeKernel
-from services.worker.engine.linear_kernel import SmallBatchLinear
+from services.worker.engine.linear_kernel import SmallBatchLinear, place_weights
 from services.worker.engine.loader import LoadedModel, dtype_name
 from services.worker.engine.models.llama import ModelConfig, Project, project_with_torch
 
@@ -56,7 +56,8 @@ class ModelRunner:
         linear_kernel: SmallBatchLinear | None = None,
     ) -> None:
         """decode_kernel: attends the decode rows when given (CPU float32); SDPA otherwise.
-        linear_kernel: runs the projections of steps with few rows when given (CPU float32)."""
+        linear_kernel: runs the projections of steps with few rows when given (CPU float32),
+        on the weights it streams moved onto huge pages (linear_kernel.place_weights)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
@@ -68,6 +69,8 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.decode_kernel = decode_kernel
         self.project: Project = linear_kernel or project_with_torch
+        if linear_kernel is not None:
+            place_weights(loaded.model)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layout = KvLayout(

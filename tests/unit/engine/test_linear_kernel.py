@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from services.worker.engine.linear_kernel import (
     PackedLinear,
     SmallBatchLinear,
     load_linear_kernel,
+    place_weights,
 )
 from services.worker.engine.models.llama import Project, RMSNorm, project_with_torch
 from services.worker.engine.quant import Int8Linear
@@ -255,6 +257,36 @@ def test_larger_steps_run_on_weights_reordered_once(fused: str) -> None:
     assert packed.num_reordered == 1  # reordered on first use, then reused
     del module, call
     assert packed.num_reordered == 0  # the reorder went with its weight
+
+
+def test_streamed_weights_are_placed_in_one_buffer_in_reading_order() -> None:
+    generator = torch.Generator().manual_seed(6)
+    first, second = linear(16, 8, generator), linear(13, 7, generator)
+    tied = linear(8, 16, generator)
+    quantized = Int8Linear(linear(16, 8, generator, bias=True))
+    transposed = nn.Linear(16, 8, bias=False)  # not the kernel's: left where it is
+    transposed.weight = nn.Parameter(torch.randn(16, 8, generator=generator).T)
+    embedding = nn.Embedding(16, 8, _weight=tied.weight.detach())
+    embedding.weight = tied.weight
+    model = nn.Sequential(embedding, first, transposed, second, quantized, tied)
+    streamed = [first.weight, second.weight, quantized.weight_int8, tied.weight]
+    before = [tensor.clone() for tensor in streamed]
+    left = transposed.weight.data_ptr()
+    place_weights(model)
+    addresses = [tensor.data_ptr() for tensor in streamed]
+    for tensor, value in zip(streamed, before, strict=True):
+        assert torch.equal(tensor, value)
+    assert all(address % 64 == 0 for address in addresses)
+    # One after another, each padded to a cache line (7 x 13 floats: 364 -> 384 bytes).
+    assert [b - a for a, b in itertools.pairwise(addresses)] == [512, 384, 128]
+    assert embedding.weight.data_ptr() == addresses[-1] and transposed.weight.data_ptr() == left
+    x = torch.randn(2, 16, generator=generator)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            load_linear_kernel(1)(first, x), reference(first, x), atol=1e-4, rtol=1e-4
+        )
+    place_weights(model)  # once per model
+    assert [tensor.data_ptr() for tensor in streamed] == addresses
 
 
 def test_bad_shapes_are_refused() -> None:
