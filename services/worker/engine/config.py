@@ -39,8 +39,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """KV budget in blocks; when set it overrides kv_cache_bytes."""
 
-    max_num_batched_tokens: int = 512
-    """Token budget of one step: decodes plus prefill chunks computed together."""
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step: decodes plus prefill chunks computed together. Against 512
+    on Zen 4 (2 cores): the Peers offline row 1.05x the tok/s, the serving row's p99 TTFT 0.93x
+    at the same tok/s; a decode step that takes a whole chunk takes ~1.3 s instead of ~0.75 s."""
 
     max_num_seqs: int = 64
     """Most requests running (holding KV and computing) at once."""
