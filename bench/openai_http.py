@@ -5,16 +5,23 @@
 `kvmesh up`'s disaggregated stack (bench.mesh's), then the same kind of requests (kvmesh.loadgen's
 seeded random-word prompts, greedy, EOS ignored, response cache bypassed) through the gateway's
 gRPC port with kvmesh.loadgen and through the OpenAI door with streamed POST /v1/completions
-(httpx, keep-alive, one connection per request in flight). Two loads:
+(httpx, keep-alive). Two loads:
 
-- one request at a time, gRPC and HTTP alternating (each door its own prompts, so neither finds
-  the other's prompt in the prefix cache): p50 TTFT added by HTTP, goal <= 2 ms;
+- one request at a time in pairs, one gRPC and one HTTP request back to back (which goes first
+  alternates from pair to pair), each door on one connection kept open for the whole region and
+  its own prompts (so neither finds the other's prompt in the prefix cache), short prompts and
+  few output tokens so the stack's own TTFT (and its noise) is small: p50 TTFT added by HTTP
+  (p50 against p50, and the median of the pairs' differences with its 95% interval; the pairs
+  cancel a drift of the machine's speed), goal <= 2 ms;
 - `--concurrency` requests in flight, each door twice in the order gRPC, HTTP, HTTP, gRPC (so a
   drift of the machine's speed counts against both): output tokens/s, goal HTTP >= 0.97x gRPC.
 
-TTFT is the client's: send to the first token-carrying chunk (SSE event or gRPC message).
-Writes bench/results/openai_http.json and .png and the "OpenAI HTTP door" section of
-BENCHMARKS.md.
+Every timed region records the load average, the cores other processes and the hypervisor
+(steal) took meanwhile and the cores each service of the stack used (bench.peers.timed_region);
+a region disturbed by them is run again on fresh prompts, both are kept, and the figures come
+from the undisturbed ones. TTFT is the client's: send to the first token-carrying chunk (SSE
+event or gRPC message). Writes bench/results/openai_http.json and .png and the "OpenAI HTTP
+door" section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
-import platform
+import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +44,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from bench.mesh import OnDone, advancing, running_stack
+from bench.peers import DISTURBED_CORES, is_disturbed, machine, timed_region
 from bench.report import (
     publish,
     repeat_command,
     save_figure,
     with_quick_defaults,
 )
-from kvmesh.bench_report import RequestResult, Slo, summarize
-from kvmesh.loadgen import LoadSpec, build_requests, run_load
-from kvmesh.v1 import gateway_pb2
+from kvmesh.bench_report import RequestResult, Slo, percentile, summarize
+from kvmesh.client import gateway_channel
+from kvmesh.loadgen import LoadSpec, build_requests, measure, run_load
+from kvmesh.v1 import gateway_pb2, gateway_pb2_grpc
 
 HEADING = "## OpenAI HTTP door"
 TTFT_GOAL_MS = 2.0
@@ -101,13 +112,18 @@ async def measure_http(
     return result
 
 
+def http_client(base_url: str, connections: int) -> httpx.AsyncClient:
+    """The door's client: keep-alive, up to `connections` at once."""
+    limits = httpx.Limits(max_connections=connections + 4)
+    return httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600)
+
+
 async def http_load(
     base_url: str, spec: LoadSpec, on_done: OnDone
 ) -> tuple[list[RequestResult], float]:
     """run_load's schedule (all at once, at most `concurrency` in flight) through the door."""
     requests = build_requests(spec)
-    limits = httpx.Limits(max_connections=max(spec.concurrency, 1) + 4)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=600) as http:
+    async with http_client(base_url, max(spec.concurrency, 1)) as http:
         limit = asyncio.Semaphore(max(spec.concurrency, 1))
         zero = time.perf_counter()
 
@@ -122,47 +138,136 @@ async def http_load(
 
 
 def spec(
-    args: argparse.Namespace, *, requests: int, concurrency: int, output: int, seed: int
+    args: argparse.Namespace,
+    *,
+    requests: int,
+    concurrency: int,
+    output: int,
+    seed: int,
+    words: int | None = None,
 ) -> LoadSpec:
     return LoadSpec(
-        num_requests=requests, concurrency=concurrency, input_words=args.prompt_words,
+        num_requests=requests, concurrency=concurrency,
+        input_words=args.prompt_words if words is None else words,
         output_tokens=output, model=args.model, seed=seed,
     )  # fmt: skip
 
 
+async def until_calm(measure: Callable[[int], Awaitable[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """`measure(attempt)` in a timed region (its "region"); a disturbed one is measured again
+    once (attempt 1: fresh prompts), both kept, the repeat marked."""
+    runs = []
+    for attempt in range(2):
+        with timed_region() as region:
+            run = await measure(attempt)
+        run["region"] = asdict(region)
+        if attempt:
+            run["repeat_of_disturbed"] = True
+        runs.append(run)
+        if not region.disturbed:
+            break
+    return runs
+
+
+def calm(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The undisturbed runs (all of them when every one was disturbed)."""
+    return [r for r in runs if not is_disturbed(r["region"])] or runs
+
+
 async def sequential(
-    gateway: str, door: str, args: argparse.Namespace, progress: Progress
-) -> dict[str, list[RequestResult]]:
-    """One request at a time, alternating doors; each door its own prompts."""
-    task = progress.add_task("one at a time, gRPC and HTTP", total=2 * args.sequential_requests)
+    gateway: str, door: str, args: argparse.Namespace, progress: Progress, attempt: int
+) -> dict[str, Any]:
+    """`--sequential-requests` pairs, one request at a time: a gRPC and an HTTP request back to
+    back, the first of the pair alternating; each door on one open connection, its own prompts."""
+    pairs = args.sequential_requests
+    task = progress.add_task("one at a time, gRPC and HTTP pairs", total=pairs)
+    prompts = {
+        name: build_requests(
+            spec(args, requests=pairs, concurrency=1, output=args.sequential_output,
+                 seed=seed + 1_000 * attempt, words=args.sequential_prompt_words)
+        )
+        for name, seed in (("grpc", 10_000), ("http", 20_000))
+    }  # fmt: skip
     results: dict[str, list[RequestResult]] = {"grpc": [], "http": []}
-    for index in range(args.sequential_requests):
-        for name, seed in (("grpc", 10_000 + index), ("http", 20_000 + index)):
-            one = spec(args, requests=1, concurrency=1, output=args.sequential_output, seed=seed)
-            if name == "grpc":
-                [result], _ = await run_load(gateway, one, lambda _: None)
-            else:
-                [result], _ = await http_load(door, one, lambda _: None)
-            results[name].append(result)
+    async with gateway_channel(gateway, None) as channel, http_client(door, 1) as http:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        # Each connection's set-up, untimed: the pairs measure requests on open connections.
+        [opening] = build_requests(spec(args, requests=1, concurrency=1, output=1, seed=99_998))
+        await measure(stub, opening, (), 0.0)
+        await measure_http(http, opening, 0.0)
+        for index in range(pairs):
+            order = ("grpc", "http") if index % 2 == 0 else ("http", "grpc")
+            for name in order:
+                request = prompts[name][index]
+                if name == "grpc":
+                    result = await measure(stub, request, (), 0.0)
+                else:
+                    result = await measure_http(http, request, 0.0)
+                results[name].append(result)
             progress.advance(task)
-    return results
+    return {
+        "summary": {name: summarize(r, 1.0, Slo()) for name, r in results.items()},
+        "ttft_ms": {name: [r.ttft_s * 1000 for r in rs] for name, rs in results.items()},
+        "paired": paired(results["grpc"], results["http"]),
+    }
+
+
+def paired(grpc: Sequence[RequestResult], http: Sequence[RequestResult]) -> dict[str, float]:
+    """HTTP minus gRPC TTFT of each pair where both completed: median, quartiles, and the
+    distribution-free 95% interval of the median (order statistics n/2 -+ 1.96 sqrt(n)/2)."""
+    diffs = sorted(
+        (h.ttft_s - g.ttft_s) * 1000 for g, h in zip(grpc, http, strict=True) if g.ok and h.ok
+    )
+    if not diffs:
+        return {"pairs": 0}
+    n, half = len(diffs), 1.96 * math.sqrt(len(diffs)) / 2
+    return {
+        "pairs": n,
+        "median_ms": percentile(diffs, 50),
+        "p25_ms": percentile(diffs, 25),
+        "p75_ms": percentile(diffs, 75),
+        "ci95_low_ms": diffs[max(0, math.floor(n / 2 - half))],
+        "ci95_high_ms": diffs[min(n - 1, math.ceil(n / 2 + half))],
+        "http_first_median_ms": statistics.median(diffs_in_order(grpc, http, first="http")),
+        "grpc_first_median_ms": statistics.median(diffs_in_order(grpc, http, first="grpc")),
+    }
+
+
+def diffs_in_order(
+    grpc: Sequence[RequestResult], http: Sequence[RequestResult], first: str
+) -> list[float]:
+    """The pairs' differences (ms) where `first` went first (even pairs: gRPC)."""
+    start = 0 if first == "grpc" else 1
+    return [
+        (h.ttft_s - g.ttft_s) * 1000
+        for g, h in list(zip(grpc, http, strict=True))[start::2]
+        if g.ok and h.ok
+    ] or [math.nan]
 
 
 async def concurrent(
     gateway: str, door: str, args: argparse.Namespace, progress: Progress
 ) -> dict[str, list[dict[str, Any]]]:
-    """`--concurrency` in flight, each door twice: gRPC, HTTP, HTTP, gRPC."""
+    """`--concurrency` in flight, each door twice: gRPC, HTTP, HTTP, gRPC; a disturbed run is
+    run again at once."""
     runs: dict[str, list[dict[str, Any]]] = {"grpc": [], "http": []}
     for round_index, name in enumerate(("grpc", "http", "http", "grpc")):
-        load = spec(args, requests=args.requests, concurrency=args.concurrency,
-                    output=args.output_tokens, seed=round_index)  # fmt: skip
-        task = progress.add_task(f"concurrency {args.concurrency}, {name}", total=load.num_requests)
-        on_done = advancing(progress, task)
-        if name == "grpc":
-            results, duration = await run_load(gateway, load, on_done)
-        else:
-            results, duration = await http_load(door, load, on_done)
-        runs[name].append(summarize(results, duration, Slo()))
+
+        async def one_run(
+            attempt: int, name: str = name, round_index: int = round_index
+        ) -> dict[str, Any]:
+            load = spec(args, requests=args.requests, concurrency=args.concurrency,
+                        output=args.output_tokens, seed=round_index + 10 * attempt)  # fmt: skip
+            label = f"concurrency {args.concurrency}, {name}" + (" (again)" if attempt else "")
+            task = progress.add_task(label, total=load.num_requests)
+            on_done = advancing(progress, task)
+            if name == "grpc":
+                results, duration = await run_load(gateway, load, on_done)
+            else:
+                results, duration = await http_load(door, load, on_done)
+            return summarize(results, duration, Slo())
+
+        runs[name] += await until_calm(one_run)
     return runs
 
 
@@ -171,7 +276,7 @@ def warm_up(args: argparse.Namespace) -> LoadSpec:
 
 
 async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    load_before = os.getloadavg()[0]
+    host = machine()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         starting = progress.add_task("starting the stack", total=None)
@@ -181,92 +286,131 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
             door = f"http://{next(s for s in services if s.http).address}"
             await run_load(gateway, warm_up(args), lambda _: None)
             await http_load(door, warm_up(args), lambda _: None)
-            alone = await sequential(gateway, door, args, progress)
+            alone = await until_calm(
+                lambda attempt: sequential(gateway, door, args, progress, attempt)
+            )
             loaded = await concurrent(gateway, door, args, progress)
-    alone_summary = {name: summarize(r, 1.0, Slo()) for name, r in alone.items()}
-    throughput = {
-        name: sum(s["output_token_throughput"] for s in runs) / len(runs)
-        for name, runs in loaded.items()
-    }
+    host["load_average_end"] = os.getloadavg()[0]
     return {
         "model": args.model,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "cpu": cpu_name(),
-        "load_average_before": load_before,
-        "load_average_after": os.getloadavg()[0],
+        "machine": host,
         "workload": {
             "prompt_words": args.prompt_words,
+            "sequential_prompt_words": args.sequential_prompt_words,
             "sequential_requests": args.sequential_requests,
             "sequential_output_tokens": args.sequential_output,
             "requests": args.requests,
             "concurrency": args.concurrency,
             "output_tokens": args.output_tokens,
         },
-        "sequential": alone_summary,
-        "sequential_ttft_ms": {n: [r.ttft_s * 1000 for r in rs] for n, rs in alone.items()},
+        "sequential": alone,
         "concurrent": loaded,
-        "comparison": {
-            "ttft_p50_added_ms": alone_summary["http"]["ttft"]["p50_ms"]
-            - alone_summary["grpc"]["ttft"]["p50_ms"],
-            "ttft_mean_added_ms": alone_summary["http"]["ttft"]["mean_ms"]
-            - alone_summary["grpc"]["ttft"]["mean_ms"],
-            "throughput_ratio": throughput["http"] / throughput["grpc"],
-            "throughput": throughput,
-        },
+        "comparison": comparison(alone, loaded),
     }
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+def comparison(
+    alone: list[dict[str, Any]], loaded: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
+    """The goals' figures, from the last undisturbed sequential run and the undisturbed
+    concurrent runs."""
+    chosen = calm(alone)[-1]
+    summary = chosen["summary"]
+    throughput = {
+        name: statistics.mean(s["output_token_throughput"] for s in calm(runs))
+        for name, runs in loaded.items()
+    }
+    return {
+        "ttft_p50_added_ms": summary["http"]["ttft"]["p50_ms"] - summary["grpc"]["ttft"]["p50_ms"],
+        "ttft_mean_added_ms": summary["http"]["ttft"]["mean_ms"]
+        - summary["grpc"]["ttft"]["mean_ms"],
+        "paired": chosen["paired"],
+        "throughput_ratio": throughput["http"] / throughput["grpc"],
+        "throughput": throughput,
+    }
 
 
 def verdicts(report: dict[str, Any]) -> list[str]:
     figures = report["comparison"]
-    added, ratio = figures["ttft_p50_added_ms"], figures["throughput_ratio"]
-    ttft = "met" if added <= TTFT_GOAL_MS else f"missed by {added - TTFT_GOAL_MS:.1f} ms"
-    tput = "met" if ratio >= THROUGHPUT_GOAL else f"missed by {THROUGHPUT_GOAL - ratio:.2f}x"
+    added, ratio, pairs = (
+        figures["ttft_p50_added_ms"],
+        figures["throughput_ratio"],
+        figures["paired"],
+    )
+    median = pairs["median_ms"]
+    if pairs["ci95_high_ms"] <= TTFT_GOAL_MS:
+        ttft = "met"
+    elif pairs["ci95_low_ms"] > TTFT_GOAL_MS:
+        ttft = f"missed by {median - TTFT_GOAL_MS:.1f} ms"
+    else:
+        ttft = "its interval straddles the goal: not settled"
+    tput = "met" if ratio >= THROUGHPUT_GOAL else f"missed by {THROUGHPUT_GOAL - ratio:.3f}x"
     return [
-        f"- p50 TTFT added by the HTTP door, one request at a time: {added:.1f} ms "
-        f"(mean {figures['ttft_mean_added_ms']:.1f} ms; goal <= {TTFT_GOAL_MS:.0f} ms: {ttft}).",
+        f"- TTFT added by the HTTP door, one request at a time: median of {pairs['pairs']} paired "
+        f"differences {median:+.2f} ms (95% interval {pairs['ci95_low_ms']:+.2f} to "
+        f"{pairs['ci95_high_ms']:+.2f} ms; quartiles {pairs['p25_ms']:+.2f} / "
+        f"{pairs['p75_ms']:+.2f} ms; gRPC first {pairs['grpc_first_median_ms']:+.2f}, HTTP first "
+        f"{pairs['http_first_median_ms']:+.2f} ms); p50 against p50 {added:+.2f} ms, mean "
+        f"{figures['ttft_mean_added_ms']:+.2f} ms (goal <= {TTFT_GOAL_MS:.0f} ms: {ttft}).",
         f"- Output tokens/s, HTTP vs gRPC at concurrency {report['workload']['concurrency']}: "
         f"{ratio:.3f}x (goal >= {THROUGHPUT_GOAL}x: {tput}).",
     ]
 
 
+def region_text(region: dict[str, Any]) -> str:
+    """Load average, other processes' and stolen cores, and the door's and gateway's cores."""
+    own = region["own_cores"]
+    mark = " **disturbed**" if is_disturbed(region) else ""
+    return (
+        f"{region['seconds']:.0f} s, load {region['load_start']:.1f} -> {region['load_end']:.1f}, "
+        f"other processes {region['other_cores']:.2f} cores, steal {region['steal_cores']:.2f}; "
+        f"door {own.get('services.openai_http', 0.0):.2f}, gateway "
+        f"{own.get('services.admission', 0.0):.2f}, client {own.get('bench.openai_http', 0.0):.2f} "
+        f"cores{mark}"
+    )
+
+
+def door_cpu_ms(run: dict[str, Any]) -> float:
+    """CPU the door spent per HTTP request of a sequential run (ms)."""
+    region = run["region"]
+    requests = run["summary"]["http"]["requests"]
+    return (
+        region["own_cores"].get("services.openai_http", 0.0) * region["seconds"] / requests * 1000
+    )
+
+
 def markdown(report: dict[str, Any], command: str) -> str:
-    work = report["workload"]
+    work, host = report["workload"], report["machine"]
     lines = [
         HEADING,
         "",
-        f"`{command}` — model `{report['model']}` on {report['cpu']} ({report['machine']}, "
-        f"load average {report['load_average_before']:.1f} at the start, "
-        f"{report['load_average_after']:.1f} at the end). One `kvmesh up` disaggregated stack; "
-        "gRPC: kvmesh.loadgen on the gateway's port; HTTP: streamed POST /v1/completions to the "
-        "OpenAI door (httpx), which calls the same gateway. Greedy, EOS ignored, response cache "
-        f"bypassed, {work['prompt_words']}-word prompts. One at a time: "
-        f"{work['sequential_requests']} requests per door, alternating, "
-        f"{work['sequential_output_tokens']} output tokens. Concurrent: {work['requests']} "
-        f"requests at concurrency {work['concurrency']}, {work['output_tokens']} output tokens, "
-        "each door run twice (gRPC, HTTP, HTTP, gRPC; the mean of the two). On a machine shared "
-        "with other work, compare the load averages first: one request at a time takes about "
-        '50 ms to its first token on an idle stack here ("Mesh vs engine"), and a 2 ms goal '
-        "can only be judged where the run-to-run noise is smaller than that.",
+        f"`{command}` — model `{report['model']}` on {host['cpu']} (CPU family "
+        f"{host['cpu_family']} model {host['cpu_model']}, {host['cores']} cores; load average "
+        f"{host['load_average_start']:.1f} at the start, {host['load_average_end']:.1f} at the "
+        "end). One `kvmesh up` disaggregated stack; gRPC: kvmesh.loadgen on the gateway's port; "
+        "HTTP: streamed POST /v1/completions to the OpenAI door (httpx), which calls the same "
+        "gateway. Greedy, EOS ignored, response cache bypassed. One at a time: "
+        f"{work['sequential_requests']} pairs (a gRPC and an HTTP request back to back, which "
+        "goes first alternating; each door on one kept-open connection, its own prompts), "
+        f"{work['sequential_prompt_words']}-word prompts, {work['sequential_output_tokens']} "
+        f"output tokens. Concurrent: {work['requests']} requests at concurrency "
+        f"{work['concurrency']}, {work['prompt_words']}-word prompts, {work['output_tokens']} "
+        "output tokens, each door run twice (gRPC, HTTP, HTTP, gRPC; the mean of the two). "
+        "Each timed region records the load average and the cores other processes and the "
+        f"hypervisor (steal) took; one where they took over {DISTURBED_CORES} cores is disturbed, "
+        "run again at once on fresh prompts, and left out of the figures.",
         "",
         "| load | door | output tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms |",
         "|---|---|---|---|---|---|",
     ]
-    for name in ("grpc", "http"):
-        s = report["sequential"][name]
-        lines.append(
-            f"| one at a time | {name} | - | {s['ttft']['p50_ms']:.1f} "
-            f"| {s['ttft']['p99_ms']:.1f} | {s['itl']['p50_ms']:.1f} |"
-        )
+    for index, run in enumerate(report["sequential"]):
+        label = "one at a time" + (" (repeat)" if index else "")
+        for name in ("grpc", "http"):
+            s = run["summary"][name]
+            lines.append(
+                f"| {label} | {name} | - | {s['ttft']['p50_ms']:.1f} "
+                f"| {s['ttft']['p99_ms']:.1f} | {s['itl']['p50_ms']:.1f} |"
+            )
     for name in ("grpc", "http"):
         for run_index, s in enumerate(report["concurrent"][name]):
             lines.append(
@@ -275,24 +419,44 @@ def markdown(report: dict[str, Any], command: str) -> str:
                 f"| {s['ttft']['p99_ms']:.1f} | {s['itl']['p50_ms']:.1f} |"
             )
     lines += ["", *verdicts(report)]
+    chosen = calm(report["sequential"])[-1]
+    lines.append(
+        f"- The door spent {door_cpu_ms(chosen):.1f} ms of CPU per one-at-a-time HTTP request "
+        f"({work['sequential_output_tokens']} tokens; not all of it before the first token)."
+    )
     failed = sum(s["failed"] for runs in report["concurrent"].values() for s in runs)
-    failed += sum(s["failed"] for s in report["sequential"].values())
+    failed += sum(s["failed"] for run in report["sequential"] for s in run["summary"].values())
     if failed:
         lines.append(f"- {failed} requests failed; the figures count completed ones only.")
+    lines += ["", "Timed regions:", ""]
+    for index, run in enumerate(report["sequential"]):
+        lines.append(f"- one at a time{' (repeat)' if index else ''}: {region_text(run['region'])}")
+    for name in ("grpc", "http"):
+        for run_index, s in enumerate(report["concurrent"][name]):
+            lines.append(
+                f"- concurrency {work['concurrency']}, {name} run {run_index + 1}: "
+                f"{region_text(s['region'])}"
+            )
     return "\n".join(lines) + "\n"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """TTFT of every one-at-a-time request by door, and output tokens/s of each loaded run."""
+    """The paired TTFT differences one request at a time, and output tokens/s of each loaded
+    run."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
-    ttfts = report["sequential_ttft_ms"]
-    left.boxplot([ttfts["grpc"], ttfts["http"]], tick_labels=["gRPC", "HTTP"])
-    left.set_title("TTFT one request at a time (ms)", fontsize=9)
+    chosen = calm(report["sequential"])[-1]
+    ttfts = chosen["ttft_ms"]
+    diffs = [h - g for g, h in zip(ttfts["grpc"], ttfts["http"], strict=True)]
+    left.hist([d for d in diffs if d == d], bins=40, color="C0")
+    left.axvline(0, color="k", linewidth=0.8)
+    left.axvline(TTFT_GOAL_MS, color="C3", linewidth=0.8, linestyle="--", label="goal")
+    left.set_title("TTFT HTTP minus gRPC, pairs one at a time (ms)", fontsize=9)
+    left.legend(fontsize=8)
     runs = report["concurrent"]
     labels = [f"{name} {i + 1}" for name in ("grpc", "http") for i in range(len(runs[name]))]
     values = [s["output_token_throughput"] for name in ("grpc", "http") for s in runs[name]]
@@ -310,16 +474,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quick", action="store_true", help="fewer requests")
-    parser.add_argument("--sequential-requests", type=int, default=None, help="default 40, quick 8")
-    parser.add_argument("--sequential-output", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=None, help="default 64, quick 32")
+    parser.add_argument(
+        "--sequential-requests", type=int, default=None, help="pairs; default 400, quick 20"
+    )
+    parser.add_argument("--sequential-output", type=int, default=2)
+    parser.add_argument("--sequential-prompt-words", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=None, help="default 128, quick 32")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--prompt-words", type=int, default=64)
     parser.add_argument("--output-tokens", type=int, default=None, help="default 32, quick 16")
     parser.add_argument("--no-write", action="store_true", help="print only")
     return with_quick_defaults(
         parser.parse_args(argv),
-        {"sequential_requests": (40, 8), "requests": (64, 32), "output_tokens": (32, 16)},
+        {"sequential_requests": (400, 20), "requests": (128, 32), "output_tokens": (32, 16)},
     )
 
 

@@ -171,6 +171,14 @@ def _cpu_ticks() -> dict[int, tuple[int, int]]:
     return ticks
 
 
+def _steal_ticks() -> int:
+    """Ticks stolen from this machine's CPUs so far (the `cpu` line of /proc/stat)."""
+    try:
+        return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def _ours(ticks: dict[int, tuple[int, int]]) -> set[int]:
     """This process and its descendants (the systems under test)."""
     children: dict[int, list[int]] = {}
@@ -193,23 +201,33 @@ class Region:
     load_start: float = 0.0
     load_end: float = 0.0
     other_cores: float = 0.0
+    steal_cores: float = 0.0
+    """Cores the hypervisor gave other guests while this one wanted them (/proc/stat's steal):
+    a slower machine that no process of this one shows."""
     own_cores: dict[str, float] = field(default_factory=dict)
     """Cores each kind of process of the system under test used (by its name: the module a
     kvmesh service runs, vLLM's process titles), where the serving work goes."""
 
     @property
     def disturbed(self) -> bool:
-        return self.other_cores > DISTURBED_CORES
+        return is_disturbed(asdict(self))
+
+
+def is_disturbed(region: dict[str, Any]) -> bool:
+    """Other processes and the hypervisor took more than DISTURBED_CORES during the region (a
+    Region as a dict, as the reports keep it; one written before steal was recorded counts
+    other processes only)."""
+    return region["other_cores"] + region.get("steal_cores", 0.0) > DISTURBED_CORES
 
 
 @contextlib.contextmanager
 def timed_region() -> Iterator[Region]:
     region = Region(load_start=os.getloadavg()[0])
-    before = _cpu_ticks()
+    before, steal_before = _cpu_ticks(), _steal_ticks()
     started = time.perf_counter()
     yield region
     region.seconds = time.perf_counter() - started
-    after = _cpu_ticks()
+    after, steal_after = _cpu_ticks(), _steal_ticks()
     ours = _ours(after) | _ours(before)
     others = sum(
         ticks - before.get(pid, (0, 0))[1]
@@ -218,6 +236,7 @@ def timed_region() -> Iterator[Region]:
     )
     per_second = os.sysconf("SC_CLK_TCK") * max(region.seconds, 1e-9)
     region.other_cores = others / per_second
+    region.steal_cores = (steal_after - steal_before) / per_second
     for pid in ours & set(after):
         used = after[pid][1] - before.get(pid, (0, 0))[1]
         if used > 0:
@@ -667,7 +686,7 @@ async def server_rows(
         for row in rows:
             result = await _server_row(server, row, work, prompt_sets[1 + run_index])
             results[row].append(result)
-            if result["region"]["other_cores"] > DISTURBED_CORES:
+            if is_disturbed(result["region"]):
                 again = await _server_row(
                     server, row, work, spare_set(prompt_sets, work, run_index)
                 )
@@ -713,6 +732,8 @@ def machine() -> dict[str, Any]:
     flags = info.get("Flags", "").split()
     return {
         "cpu": info.get("Model name", platform.processor()).strip(),
+        "cpu_family": info.get("CPU family", "?").strip(),
+        "cpu_model": info.get("Model", "?").strip(),
         "cores": os.cpu_count(),
         "avx512": "avx512f" in flags,
         "avx512_bf16": "avx512_bf16" in flags,
@@ -926,7 +947,7 @@ def agreement(report: Report) -> dict[str, Any]:
 
 def best(runs: list[dict[str, Any]], key: str, higher: bool = True) -> float:
     """The better of a row's undisturbed runs (all runs when every one was disturbed)."""
-    calm = [r for r in runs if r["region"]["other_cores"] <= DISTURBED_CORES] or runs
+    calm = [r for r in runs if not is_disturbed(r["region"])] or runs
     values = [r[key] for r in calm]
     return max(values) if higher else min(values)
 
@@ -1091,7 +1112,7 @@ def _region_line(name: str, run: dict[str, Any]) -> str:
     region = run["region"]
     if "repeat_of_disturbed" in run:
         name += f" (repeat of disturbed run {run['repeat_of_disturbed'] + 1})"
-    mark = " **disturbed**" if region["other_cores"] > DISTURBED_CORES else ""
+    mark = " **disturbed**" if is_disturbed(region) else ""
     return (
         f"{name}: {region['seconds']:.1f} s, load {region['load_start']:.1f} -> "
         f"{region['load_end']:.1f}, other processes {region['other_cores']:.2f} cores{mark}"
@@ -1144,7 +1165,8 @@ def markdown(report: Report, command: str) -> str:
         lines += [f"- {line}" for line in serving_cpu]
     lines += [
         "",
-        f"Timed regions (a region where other processes used over {DISTURBED_CORES} cores is "
+        f"Timed regions (a region where other processes and the hypervisor (steal) took over "
+        f"{DISTURBED_CORES} cores is "
         "disturbed and was run again on fresh prompts):",
         "",
     ]

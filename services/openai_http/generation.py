@@ -3,22 +3,27 @@
 Each choice is its own Generate call, through the kvmesh SDK with the caller's API key. The
 first sample of each prompt starts at once; the prompt's other samples start when its first
 token arrives, so their prefill finds the prompt's KV blocks in a worker's prefix cache.
-Closing the generation cancels every call still running, at every hop.
+Closing the generation cancels every call still running, at every hop; so does the client going
+away (the awaitable `start` is given finishing first), and the events end with ClientGone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
 import grpc
 
 from kvmesh.client import Chunk, Client, GenerationResult
-from kvmesh.errors import DeadlineExceeded, Internal, KvmeshError, Unavailable
+from kvmesh.errors import Cancelled, DeadlineExceeded, Internal, KvmeshError, Unavailable
 from kvmesh.v1 import common_pb2
 from services.openai_http.translation import Plan, chunk_offsets
+
+
+class ClientGone(Cancelled):
+    """The HTTP client disconnected before its answer was complete."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,6 +55,7 @@ class Generation:
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._choices = [_Choice() for _ in plan.requests]
         self._tasks: list[asyncio.Task[None]] = []
+        self._watch: asyncio.Future[None] | None = None
         loop = asyncio.get_running_loop()
         deadline_s = plan.headers.deadline_s
         self._deadline = None if deadline_s is None else loop.time() + deadline_s
@@ -57,14 +63,25 @@ class Generation:
     def offsets(self, choice: int) -> list[int]:
         return self._choices[choice].offsets
 
-    def start(self) -> None:
-        """Starts every call: leaders now, the other samples of a prompt once it is cached."""
+    def start(self, client_gone: Awaitable[None]) -> None:
+        """Starts every call: leaders now, the other samples of a prompt once it is cached; and
+        the watch of `client_gone`, which abandons them all if it finishes first."""
         leader = 0
         for index in range(len(self._plan.requests)):
             if self._plan.first_of_prompt(index):
                 leader = index
             gate = None if leader == index else self._choices[leader].released
             self._tasks.append(asyncio.create_task(self._run(index, gate)))
+        self._watch = asyncio.ensure_future(client_gone)
+        self._watch.add_done_callback(self._abandon)
+
+    def _abandon(self, watch: asyncio.Future[None]) -> None:
+        """The client went away: every call is cancelled, and events() ends with ClientGone."""
+        if watch.cancelled():
+            return
+        for task in self._tasks:
+            task.cancel()
+        self._queue.put_nowait(Event(0, error=ClientGone("the client went away")))
 
     async def events(self) -> AsyncIterator[Event]:
         """Every event until each choice has its result, or up to the first error (after
@@ -90,6 +107,10 @@ class Generation:
 
     async def aclose(self) -> None:
         """Cancels every call still running (each cancel reaches every hop)."""
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
