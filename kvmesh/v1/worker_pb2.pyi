@@ -144,12 +144,15 @@ class PrefillResponse(_message.Message):
 
     @_builtins.property
     def finished(self) -> _common_pb2.Finished:
-        """Set when the first token already ends the request (EOS, stop, max_tokens = 1)."""
+        """Set when the first token already ends the request (EOS, stop, max_tokens = 1), or when
+        the request ended before it (its deadline passed while it waited or mid-prompt).
+        """
 
     @_builtins.property
     def sampled(self) -> _common_pb2.TokenChunk:
-        """The token prefill sampled, always exactly one id (with its logprob when asked for, no
-        text), whether or not first_token carries it: what decoding continues after.
+        """The token prefill sampled, exactly one id (with its logprob when asked for, no text),
+        whether or not first_token carries it: what decoding continues after. Empty only when
+        finished ended the request before its prompt ran (a deadline that passed meanwhile).
         """
 
     def __init__(

@@ -520,6 +520,8 @@ class Orchestrator:
                 yield common_pb2.GenerateEvent(finished=prefilled.finished)
                 return
         elif prefilled.HasField("finished"):
+            if prefilled.finished.finish_reason == common_pb2.FINISH_REASON_DEADLINE:
+                raise DeadlineExceeded("the request's deadline passed as its prompt ran again")
             # Only unseeded sampling can end the prompt's second run at a different token.
             raise Unavailable(
                 "the prompt's second run ended at its own first token, "

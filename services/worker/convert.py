@@ -105,9 +105,11 @@ def token_chunk(outputs: Sequence[RequestOutput]) -> common_pb2.TokenChunk:
 
 
 def sampled_chunk(output: RequestOutput) -> common_pb2.TokenChunk:
-    """PrefillResponse.sampled: the one token a prefill sampled, its logprob when asked for."""
+    """PrefillResponse.sampled: the one token a prefill sampled, its logprob when asked for;
+    empty when the request ended before its prompt ran (its deadline passed while it waited
+    or mid-prompt, or the engine aborted it)."""
     if output.sampled_token_id is None:
-        raise RuntimeError("the prefill's output names no sampled token")
+        return common_pb2.TokenChunk()
     chunk = common_pb2.TokenChunk(token_ids=[output.sampled_token_id])
     if output.sampled_logprob is not None:
         chunk.logprobs.append(_logprob(output.sampled_logprob))

@@ -271,6 +271,38 @@ async def test_a_resumed_prompt_ending_at_its_own_first_token_cannot_continue() 
     assert call.cancelled
 
 
+DEADLINE_BEFORE_THE_PROMPT = worker_pb2.PrefillResponse(
+    finished=common_pb2.Finished(
+        finish_reason=common_pb2.FINISH_REASON_DEADLINE,
+        usage=common_pb2.Usage(prompt_tokens=3),
+    )
+)
+"""A Prefill whose deadline passed before its prompt ran: no token, no sampled token, no lease."""
+
+
+async def test_a_prefill_ended_by_its_deadline_before_the_prompt_ran_is_a_deadline() -> None:
+    workers = FakeWorkers(asyncio.get_running_loop().create_future(), [])
+    workers.prefill_answer.set_result(DEADLINE_BEFORE_THE_PROMPT)
+    events = await run(orchestrator(workers))
+    assert kinds(events) == ["started", "finished"]
+    assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_DEADLINE
+    assert workers.decode_calls == []
+
+
+async def test_a_resumed_prompt_ended_by_the_deadline_is_a_deadline_with_the_first_token() -> None:
+    workers = FakeWorkers(
+        asyncio.get_running_loop().create_future(),
+        [rpc_error("pulling KV failed")],
+        retry_prefill=DEADLINE_BEFORE_THE_PROMPT,
+    )
+    workers.prefill_answer.set_result(prefilled())
+    events = await run(orchestrator(workers))
+    assert kinds(events) == ["started", "chunk", "finished"]
+    finished = events[-1].finished
+    assert finished.finish_reason == common_pb2.FINISH_REASON_DEADLINE
+    assert finished.usage.completion_tokens == 1  # the first token, which the caller has
+
+
 async def test_a_cancel_during_the_hand_off_aborts_with_the_first_token_counted() -> None:
     workers = FakeWorkers(asyncio.get_running_loop().create_future(), [asyncio.Event()])
     workers.prefill_answer.set_result(prefilled())
