@@ -223,10 +223,11 @@ def place_weights(model: nn.Module) -> None:
     """Moves the weights the kernel streams (every projection kernel_weights names, tied ones
     once) into one buffer asked for on transparent huge pages, in the order a step reads them,
     each starting on a cache line. On 4 KiB pages the hardware prefetcher stops at every page
-    boundary and each page costs a TLB miss: SmolLM2-135M's batch-1 projections took 17.5 ms
-    of kernel time per step there against 12.3 ms on 2 MiB pages (31 vs 44 GB/s; AMD EPYC
-    Zen 4, 2 cores). Where the kernel gives no huge pages (transparent_hugepage "never") the
-    buffer is plain memory and nothing else changes. Once per model."""
+    boundary and each page costs a TLB miss: SmolLM2-135M's batch-1 projections took 8-10%
+    less kernel time per step on 2 MiB pages (AMD EPYC Zen 4, 2 cores, steps alternated
+    between a placed and an unplaced copy in one process). Where the kernel gives no huge
+    pages (transparent_hugepage "never") the buffer is plain memory and nothing else changes.
+    Once per model."""
     if model in _PLACED:
         return
     tensors: dict[int, torch.Tensor] = {}
