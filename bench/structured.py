@@ -40,8 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from bench.openai_http import cpu_name
-from bench.peers import Region, timed_region
+from bench.peers import Region, machine, timed_region
 from bench.report import (
     BENCHMARKS,
     RESULTS,
@@ -360,7 +359,7 @@ def print_table(summaries: dict[str, dict[str, Any]], console: Console) -> None:
 def markdown_section(
     summaries: dict[str, dict[str, Any]], args: argparse.Namespace, command: str
 ) -> str:
-    cpu = cpu_name()
+    cpu = machine()["cpu"]
     header = [
         "backend", "free tok/s", "mixed tok/s", "mixed / free",
         "mask fill+apply per step p50 / p99", "share of the step (p50)",
@@ -486,7 +485,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "rounds": args.rounds,
         "schema": PERSON_SCHEMA,
         "machine": {
-            "cpu": cpu_name(),
+            "cpu": machine()["cpu"],
             "cores": os.cpu_count(),
             "torch": torch.__version__,
         },

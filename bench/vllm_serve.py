@@ -31,8 +31,7 @@ from typing import Any
 from rich.console import Console
 
 from bench.mesh import running_stack
-from bench.openai_http import cpu_name
-from bench.peers import vllm_environment
+from bench.peers import machine, vllm_environment
 from bench.report import publish, repeat_command, save_figure
 from kvmesh.stack import StackOptions
 
@@ -152,7 +151,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     return {
         "model": args.model,
         "mode": args.mode,
-        "cpu": cpu_name(),
+        "cpu": machine()["cpu"],
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "load_average_before": load_before,
         "load_average_after": os.getloadavg()[0],
