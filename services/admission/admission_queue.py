@@ -143,7 +143,7 @@ class AdmissionQueue:
         if self._may_start(priority) and not self._anyone_ahead(priority):
             # A free slot: it costs no other request anything, so even a request that
             # cannot finish in time runs, and gets what its deadline allows (DEADLINE).
-            self._take_slot(priority)
+            self._count_running(priority, +1)
             fits = _fits(arrived, deadline, service_s)
             return Ticket(priority, admitted_at=arrived, queued_s=0.0, expected_in_time=fits)
         self._shed_if_hopeless(priority, arrived, deadline, service_s)
@@ -177,7 +177,7 @@ class AdmissionQueue:
             return
         ticket.released = True
         in_flight = self.running()
-        self._running[ticket.priority] -= 1
+        self._count_running(ticket.priority, -1)
         held = self._clock() - ticket.admitted_at
         self._hold_s = (
             held if self._hold_s is None else ((1 - _SMOOTHING) * self._hold_s + _SMOOTHING * held)
@@ -185,9 +185,6 @@ class AdmissionQueue:
         if ticket.measured:
             late = ticket.missed_deadline and ticket.expected_in_time
             self.limiter.observe(held / max(ticket.output_tokens, 1), in_flight, late)
-        metrics.REQUESTS_RUNNING.labels(ticket.priority.name.lower()).set(
-            self._running[ticket.priority]
-        )
         metrics.CONCURRENCY_LIMIT.set(self.limiter.limit)
         self._dispatch()
 
@@ -203,8 +200,10 @@ class AdmissionQueue:
             return True
         return priority is PriorityClass.BATCH and bool(self._waiting[PriorityClass.BATCH])
 
-    def _take_slot(self, priority: PriorityClass) -> None:
-        self._running[priority] += 1
+    def _count_running(self, priority: PriorityClass, change: int) -> None:
+        """Takes (+1) or frees (-1) a slot: the one place the count changes, so its gauge
+        shows it on every path (a slot granted to a waiter cancelled before it ran included)."""
+        self._running[priority] += change
         metrics.REQUESTS_RUNNING.labels(priority.name.lower()).set(self._running[priority])
 
     def _shed_if_hopeless(
@@ -245,7 +244,7 @@ class AdmissionQueue:
                         DeadlineExceeded("its slot came too late to finish before the deadline")
                     )
                     continue
-                self._take_slot(priority)
+                self._count_running(priority, +1)
                 waiter.future.set_result(None)
             self._publish(priority)
 
@@ -253,7 +252,7 @@ class AdmissionQueue:
         """A waiter gave up (deadline or cancel): drop it, or return a slot it already got."""
         future = waiter.future
         if future.done() and not future.cancelled() and future.exception() is None:
-            self._running[priority] -= 1
+            self._count_running(priority, -1)
             self._dispatch()
             return
         future.cancel()

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kvmesh.errors import DeadlineExceeded, ResourceExhausted
 from kvmesh.tenants import PriorityClass
@@ -23,6 +24,13 @@ def queue(max_in_flight: int = 1, batch_max: int = 1, iq: int = 8, bq: int = 8) 
 async def settle() -> None:
     for _ in range(5):
         await asyncio.sleep(0)
+
+
+def running_gauge(priority: PriorityClass) -> float | None:
+    """The gateway's kvmesh:admission_requests_running gauge for `priority`."""
+    return REGISTRY.get_sample_value(
+        "kvmesh:admission_requests_running", {"priority": priority.name.lower()}
+    )
 
 
 async def test_free_slots_admit_at_once() -> None:
@@ -118,7 +126,9 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_never_holds_a_slot() -> N
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert q.running() == 0
+    assert running_gauge(INTERACTIVE) == 0  # and the gauge must say so
     await asyncio.wait_for(q.admit(INTERACTIVE), 1.0)
+    assert running_gauge(INTERACTIVE) == 1
 
 
 async def test_release_is_idempotent() -> None:
