@@ -11,9 +11,13 @@ Capacity is measured first: requests completed per second with `--capacity-clien
 sending back to back through the old gateway. Then each gateway gets Poisson arrivals at
 each multiple of that capacity (`--loads`), half interactive with a 10 s deadline, half
 batch with 30 s, each run drained to its last answer. A request counts toward goodput when
-its answer is whole (stop or length) within its deadline; refused ones (RESOURCE_EXHAUSTED)
-are timed from send to refusal and their RetryInfo kept. Goals at 3x: goodput >= 0.8x the
-capacity, interactive p99 TTFT within 10 s, every refusal under 50 ms.
+its answer is whole (stop or length) within its deadline, counted both per second from the
+first arrival to the last answer (the drain included: what the goal is on) and per second of
+arrivals; refused ones (RESOURCE_EXHAUSTED) are timed from send to refusal and their
+RetryInfo kept. Each run keeps a timeline, one row per second: requests sent, ended in time,
+ended otherwise after admission, refused, the tokens generated for each kind, and the
+sampled limit, admitted, queued and engine batch. Goals at 3x: goodput >= 0.8x the capacity,
+interactive p99 TTFT within 10 s, every refusal under 50 ms.
 
 Every timed region records the load average and the CPU other processes used meanwhile.
 Writes bench/results/overload.json, bench/results/overload.png and the "Overload" section of
@@ -62,7 +66,8 @@ from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 HEADING = "## Overload"
 # Far from `kvmesh up`'s default ports and from the other benchmarks' offsets.
 PORT_OFFSET = 1300
-FIXED_GATEWAY_PORT = 50051 + PORT_OFFSET + 50
+FIXED_GATEWAY_PORT = 50051 + 50
+"""The old gateway's port before the offset."""
 DEADLINE_S = {"interactive": 10.0, "batch": 30.0}
 PRIORITY = {"interactive": common_pb2.PRIORITY_INTERACTIVE, "batch": common_pb2.PRIORITY_BATCH}
 GOAL_LOAD = 3.0
@@ -75,6 +80,9 @@ MODES = ("old", "new")
 OLD_ADMISSION = ("--no-adaptive-admission", "--max-in-flight", "64", "--batch-max-in-flight", "48")
 """The old gateway: the fixed limit and batch share that were the defaults before."""
 LIMIT = "kvmesh:admission_concurrency_limit"
+GATEWAY_RUNNING = "kvmesh:admission_requests_running"
+GATEWAY_WAITING = "kvmesh:admission_requests_waiting"
+ENGINE_RUNNING = "kvmesh:num_requests_running"
 ENGINE_WAITING = "kvmesh:num_requests_waiting"
 
 
@@ -93,6 +101,8 @@ class Outcome:
     retry_after_s: float | None = None
     detail: str = ""
     """A failure's message (Finished.error_message or the gRPC details)."""
+    tokens: int = 0
+    """Output tokens it received."""
 
     @property
     def refused(self) -> bool:
@@ -129,8 +139,10 @@ async def send(stub: gateway_pb2_grpc.GatewayStub, message: Any, kind: str, zero
         await call.done_writing()
         async for event in call:
             which = event.WhichOneof("event")
-            if which == "chunk" and event.chunk.token_ids and outcome.ttft_s is None:
-                outcome.ttft_s = time.perf_counter() - sent
+            if which == "chunk" and event.chunk.token_ids:
+                if outcome.ttft_s is None:
+                    outcome.ttft_s = time.perf_counter() - sent
+                outcome.tokens += len(event.chunk.token_ids)
             elif which == "finished":
                 outcome.finish = common_pb2.FinishReason.Name(event.finished.finish_reason)
                 outcome.detail = event.finished.error_message
@@ -191,12 +203,13 @@ async def open_loop(
     seed: int,
     args: argparse.Namespace,
     on_done: Callable[[], None],
+    zero: float,
 ) -> list[Outcome]:
-    """Poisson arrivals at `rate` for `seconds` (half interactive, half batch), drained."""
+    """Poisson arrivals at `rate` for `seconds` from `zero` (a time.perf_counter(); half
+    interactive, half batch), drained."""
     rng = random.Random(seed)
     async with gateway_channel(gateway, None) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        zero = time.perf_counter()
         tasks: list[asyncio.Task[Outcome]] = []
         at = 0.0
         index = 0
@@ -234,17 +247,31 @@ def failures(outcomes: Sequence[Outcome]) -> dict[str, int]:
     return dict(collections.Counter(f"{o.finish}: {o.detail[:120]}" for o in failed))
 
 
+def ended_s(outcomes: Sequence[Outcome], seconds: float) -> float:
+    """From the first arrival to the last answer: the arrivals' `seconds` and the drain."""
+    return max([seconds, *(o.sent_s + o.e2e_s for o in outcomes)])
+
+
 def summary(outcomes: Sequence[Outcome], seconds: float, capacity: float) -> dict[str, Any]:
-    """The figures of one run."""
+    """The figures of one run. Goodput both ways: per second of arrivals, and over the
+    arrivals and the drain after them (the one the goal is on)."""
     refused = [o for o in outcomes if o.refused]
     in_time = [o for o in outcomes if o.in_time]
+    wasted = [o for o in outcomes if not o.in_time and not o.refused]
     retry = [o.retry_after_s for o in refused if o.retry_after_s is not None]
+    whole_s = ended_s(outcomes, seconds)
     figures: dict[str, Any] = {
         "sent": len(outcomes),
         "offered_per_s": len(outcomes) / seconds,
         "in_deadline": len(in_time),
         "goodput_per_s": len(in_time) / seconds,
         "goodput_vs_capacity": len(in_time) / seconds / capacity,
+        "drained_s": whole_s,
+        "goodput_drained_per_s": len(in_time) / whole_s,
+        "goodput_drained_vs_capacity": len(in_time) / whole_s / capacity,
+        "admitted_not_in_time": len(wasted),
+        "useful_tokens": sum(o.tokens for o in in_time),
+        "wasted_tokens": sum(o.tokens for o in wasted),
         "shed": len(refused),
         "shed_rate": len(refused) / len(outcomes) if outcomes else math.nan,
         "refusal_p50_ms": percentile([o.e2e_s for o in refused], 50) * 1000
@@ -252,6 +279,7 @@ def summary(outcomes: Sequence[Outcome], seconds: float, capacity: float) -> dic
         else math.nan,
         "refusal_p99_ms": p99_ms([o.e2e_s for o in refused]),
         "refusal_max_ms": max((o.e2e_s for o in refused), default=math.nan) * 1000,
+        "refusals_over_goal": sum(o.e2e_s * 1000 >= REFUSAL_GOAL_MS for o in refused),
         "refusals_with_retry_info": len(retry),
         "retry_after_p50_s": percentile(retry, 50) if retry else math.nan,
         "retry_after_max_s": max(retry, default=math.nan),
@@ -271,17 +299,18 @@ def summary(outcomes: Sequence[Outcome], seconds: float, capacity: float) -> dic
 
 
 @contextlib.asynccontextmanager
-async def fixed_gateway(services: list[StackService]) -> AsyncIterator[str]:
+async def fixed_gateway(services: list[StackService], port_offset: int) -> AsyncIterator[str]:
     """A second gateway on the stack's router with the old admission; yields its address."""
     gateway = next(s for s in services if s.name == "gateway")
     args = list(gateway.args)
-    args[args.index("--port") + 1] = str(FIXED_GATEWAY_PORT)
+    port = FIXED_GATEWAY_PORT + port_offset
+    args[args.index("--port") + 1] = str(port)
     args[args.index("--metrics-port") + 1] = "-1"
     old = dataclasses.replace(
         gateway,
         name="gateway-old",
         args=(*args, *OLD_ADMISSION),
-        port=FIXED_GATEWAY_PORT,
+        port=port,
         metrics_port=-1,
     )
     supervisor = Supervisor(printer=quiet)
@@ -297,8 +326,18 @@ async def fixed_gateway(services: list[StackService]) -> AsyncIterator[str]:
 class Samples:
     """What the mesh showed once a second during a run."""
 
+    zero: float
+    """The run's time.perf_counter() zero."""
+    at_s: list[float] = dataclasses.field(default_factory=list)
+    """When each sample was taken, from the run's zero."""
     limit: list[float] = dataclasses.field(default_factory=list)
     """The new gateway's concurrency limit."""
+    running: list[float] = dataclasses.field(default_factory=list)
+    """Requests the new gateway had admitted toward the router."""
+    waiting: list[float] = dataclasses.field(default_factory=list)
+    """Requests in the new gateway's admission queue."""
+    engine_running: list[float] = dataclasses.field(default_factory=list)
+    """Requests in the worker's engine batch."""
     engine_waiting: list[float] = dataclasses.field(default_factory=list)
     """Requests queued in the worker's engine (beyond its batch)."""
     decode_ms: list[float] = dataclasses.field(default_factory=list)
@@ -306,7 +345,7 @@ class Samples:
 
     def figures(self) -> dict[str, float]:
         found: dict[str, float] = {}
-        for name in ("limit", "engine_waiting", "decode_ms"):
+        for name in ("limit", "engine_running", "engine_waiting", "decode_ms"):
             values = getattr(self, name)
             if values:
                 found[f"{name}_min"], found[f"{name}_max"] = min(values), max(values)
@@ -314,21 +353,44 @@ class Samples:
         return found
 
 
+def gateway_count(port: int, name: str) -> float:
+    """A gauge of the gateway summed over its priorities."""
+    return sum(metric(port, name, f'priority="{p}"') for p in DEADLINE_S)
+
+
 @contextlib.asynccontextmanager
-async def sampled(gateway: StackService, worker: StackService) -> AsyncIterator[Samples]:
-    """Samples the new gateway's limit, the engine's queue and the rates while the block runs."""
-    samples = Samples()
+async def sampled(
+    gateway: StackService, worker: StackService, zero: float
+) -> AsyncIterator[Samples]:
+    """Samples the new gateway's limit and queue, the engine's batch and queue and the rates
+    while the block runs."""
+    samples = Samples(zero)
+
+    def scrape() -> tuple[float, ...]:
+        return (
+            metric(gateway.metrics_port, LIMIT),
+            gateway_count(gateway.metrics_port, GATEWAY_RUNNING),
+            gateway_count(gateway.metrics_port, GATEWAY_WAITING),
+            metric(worker.metrics_port, ENGINE_RUNNING),
+            metric(worker.metrics_port, ENGINE_WAITING),
+        )
 
     async def sample(stub: gateway_pb2_grpc.GatewayStub) -> None:
         while True:
-            samples.limit.append(await asyncio.to_thread(metric, gateway.metrics_port, LIMIT))
-            waiting = await asyncio.to_thread(metric, worker.metrics_port, ENGINE_WAITING)
-            samples.engine_waiting.append(waiting)
+            at = time.perf_counter() - zero
+            values = await asyncio.to_thread(scrape)
+            samples.at_s.append(at)
+            for name, value in zip(
+                ("limit", "running", "waiting", "engine_running", "engine_waiting"),
+                values,
+                strict=True,
+            ):
+                getattr(samples, name).append(value)
             models = await stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=5)
             rates = [m.service_rates for m in models.models if m.HasField("service_rates")]
             if rates:
                 samples.decode_ms.append(rates[0].decode_ms_per_token)
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(max(0.0, zero + at + 1.0 - time.perf_counter()))
 
     async with gateway_channel(gateway.address, None) as channel:
         task = asyncio.create_task(sample(gateway_pb2_grpc.GatewayStub(channel)))
@@ -340,6 +402,41 @@ async def sampled(gateway: StackService, worker: StackService) -> AsyncIterator[
                 await task
 
 
+GATEWAY_SAMPLES = ("limit", "running", "waiting")
+"""Samples of the new gateway (they say nothing of a run through the old one)."""
+ENGINE_SAMPLES = ("engine_running", "engine_waiting")
+
+
+def timeline(
+    outcomes: Sequence[Outcome], samples: Samples, seconds: float, gateway: bool
+) -> list[dict[str, float]]:
+    """Per second of the run, arrivals to the last answer: requests sent, ended in time, ended
+    otherwise after admission (late, cut by the deadline, failed) and refused, by when they
+    ended; output tokens of the ones in time (useful) and of the others (wasted); and the last
+    sample taken in that second (the new gateway's limit, running and waiting only when
+    `gateway`: the run went through it)."""
+    length = math.ceil(ended_s(outcomes, seconds))
+    counts = ("sent", "in_time", "late", "refused", "useful_tokens", "wasted_tokens")
+    rows = [{"t": float(t), **dict.fromkeys(counts, 0.0)} for t in range(length)]
+    for o in outcomes:
+        rows[min(int(o.sent_s), length - 1)]["sent"] += 1
+        row = rows[min(int(o.sent_s + o.e2e_s), length - 1)]
+        if o.refused:
+            row["refused"] += 1
+        elif o.in_time:
+            row["in_time"] += 1
+            row["useful_tokens"] += o.tokens
+        else:
+            row["late"] += 1
+            row["wasted_tokens"] += o.tokens
+    names = (*GATEWAY_SAMPLES, *ENGINE_SAMPLES) if gateway else ENGINE_SAMPLES
+    for index, at in enumerate(samples.at_s):
+        if 0 <= at < length:
+            for name in names:
+                rows[int(at)][name] = getattr(samples, name)[index]
+    return rows
+
+
 def run_seconds(load: float, args: argparse.Namespace) -> float:
     return args.goal_seconds if load == GOAL_LOAD else args.seconds
 
@@ -349,8 +446,8 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         starting = progress.add_task("starting the stack", total=None)
-        stack = running_stack(args, PORT_OFFSET, mode=args.mode)
-        async with stack as services, fixed_gateway(services) as old:
+        stack = running_stack(args, args.port_offset, mode=args.mode)
+        async with stack as services, fixed_gateway(services, args.port_offset) as old:
             new = next(s for s in services if s.name == "gateway")
             worker = next(s for s in services if s.role in ("colocated", "decode"))
             gateways = {"old": old, "new": new.address}
@@ -376,10 +473,11 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                     expected = round(load * per_s * seconds)
                     task = progress.add_task(f"{mode} admission, {load}x", total=expected)
                     with timed_region() as region:
-                        async with sampled(new, worker) as samples:
+                        zero = time.perf_counter()
+                        async with sampled(new, worker, zero) as samples:
                             outcomes = await open_loop(
                                 gateways[mode], load * per_s, seconds, round(load * 100),
-                                args, functools.partial(progress.advance, task),
+                                args, functools.partial(progress.advance, task), zero,
                             )  # fmt: skip
                     progress.remove_task(task)
                     figures = summary(outcomes, seconds, per_s)
@@ -388,12 +486,18 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                         figures = {k: v for k, v in figures.items() if not k.startswith("limit")}
                     report["runs"].append(
                         {"mode": mode, "load": load, "seconds": seconds,
-                         "region": asdict(region), **figures}
+                         "region": asdict(region), **figures,
+                         "timeline": timeline(outcomes, samples, seconds, mode == "new")}
                     )  # fmt: skip
                     console.print(figures["finishes"], figures["failures"], samples.figures())
                     console.print(
                         f"{mode} {load}x: goodput {figures['goodput_per_s']:.2f}/s "
-                        f"({figures['goodput_vs_capacity']:.2f}x), shed "
+                        f"({figures['goodput_vs_capacity']:.2f}x; over the "
+                        f"{figures['drained_s']:.1f} s with the drain "
+                        f"{figures['goodput_drained_per_s']:.2f}/s = "
+                        f"{figures['goodput_drained_vs_capacity']:.2f}x), wasted "
+                        f"{figures['admitted_not_in_time']} admitted requests, "
+                        f"{figures['wasted_tokens']} tokens, shed "
                         f"{figures['shed_rate']:.0%}, interactive p99 TTFT "
                         f"{figures['interactive_ttft_p99_ms']:.0f} ms"
                     )
@@ -420,13 +524,15 @@ def verdicts(report: dict[str, Any]) -> list[str]:
     if new is None:
         return [f"- No {GOAL_LOAD}x run: the goals were not measured."]
     old = find(report, "old", GOAL_LOAD)
-    ratio = new["goodput_vs_capacity"]
-    was = f" (old admission: {old['goodput_vs_capacity']:.2f}x)" if old else ""
+    ratio = new["goodput_drained_vs_capacity"]
+    was = f" (old admission: {old['goodput_drained_vs_capacity']:.2f}x)" if old else ""
     ttft = new["interactive_ttft_p99_ms"]
     refusal = new["refusal_max_ms"]
     side_by_side = (
         f"- New against old admission side by side at {GOAL_LOAD}x: goodput "
-        f"{new['goodput_per_s']:.2f} vs {old['goodput_per_s']:.2f}/s, shed "
+        f"{new['goodput_drained_per_s']:.2f} vs {old['goodput_drained_per_s']:.2f}/s over "
+        f"arrivals and drain, {new['goodput_per_s']:.2f} vs {old['goodput_per_s']:.2f}/s "
+        "per second of arrivals, shed "
         f"{new['shed_rate']:.0%} vs "
         f"{old['shed_rate']:.0%}, deadline finishes "
         f"{new['finishes'].get('FINISH_REASON_DEADLINE', 0)} vs "
@@ -436,18 +542,26 @@ def verdicts(report: dict[str, Any]) -> list[str]:
     )
     return [
         side_by_side,
-        f"- Finished within the deadline at {GOAL_LOAD}x for {new['seconds']:.0f} s: "
-        f"{new['goodput_per_s']:.2f}/s = {ratio:.2f}x the capacity{was} "
-        f"(goal >= {GOODPUT_GOAL}x: {'met' if ratio >= GOODPUT_GOAL else 'missed'}).",
+        f"- Finished within the deadline at {GOAL_LOAD}x ({new['in_deadline']} of "
+        f"{new['sent']} sent in {new['seconds']:.0f} s), counted over the "
+        f"{new['drained_s']:.1f} s from the first arrival to the last answer: "
+        f"{new['goodput_drained_per_s']:.2f}/s = {ratio:.2f}x the capacity{was} "
+        f"(goal >= {GOODPUT_GOAL}x: {'met' if ratio >= GOODPUT_GOAL else 'missed'}); per "
+        f"second of arrivals {new['goodput_per_s']:.2f}/s = "
+        f"{new['goodput_vs_capacity']:.2f}x. Admitted but not in time: "
+        f"{new['admitted_not_in_time']} ({new['wasted_tokens']} tokens generated for them, "
+        f"{new['useful_tokens']} for the ones in time).",
         f"- Interactive p99 TTFT at {GOAL_LOAD}x: {ttft:.0f} ms (goal <= "
         f"{DEADLINE_S['interactive'] * 1000:.0f} ms: "
         f"{'met' if ttft <= DEADLINE_S['interactive'] * 1000 else 'missed'}).",
         f"- Refusals at {GOAL_LOAD}x: {new['shed']}, slowest {refusal:.1f} ms, p99 "
-        f"{new['refusal_p99_ms']:.1f} ms, {new['refusals_with_retry_info']} with RetryInfo "
+        f"{new['refusal_p99_ms']:.1f} ms, {new['refusals_over_goal']} at "
+        f"{REFUSAL_GOAL_MS:.0f} ms or later (refused from the queue after a wait), "
+        f"{new['refusals_with_retry_info']} with RetryInfo "
         f"(median retry-after {new['retry_after_p50_s']:.2f} s, interactive "
         f"{new['interactive_retry_after_p50_s']:.2f} s, batch "
         f"{new['batch_retry_after_p50_s']:.2f} s) (goal < {REFUSAL_GOAL_MS:.0f} "
-        f"ms: {'met' if new['shed'] == 0 or refusal < REFUSAL_GOAL_MS else 'missed'}).",
+        f"ms: {'met' if new['refusals_over_goal'] == 0 else 'missed'}).",
     ]
 
 
@@ -485,19 +599,24 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"{cap['clients']} clients back to back through the old gateway for "
         f"{cap['seconds']:.0f} s. Each load ran {work['seconds']:.0f} s "
         f"({work['goal_seconds']:.0f} s at {GOAL_LOAD}x) and was drained. Goodput: whole "
-        "answers within their deadline per second of arrivals.",
+        "answers within their deadline per second from the first arrival to the last answer "
+        "(drained; the goal's), and per second of arrivals; wasted: requests admitted that "
+        "did not finish in time, and the tokens generated for them.",
         "",
-        "| load | admission | offered/s | goodput/s | vs capacity | shed | refusal p99 ms "
-        "| interactive TTFT p99 ms | batch TTFT p99 ms | deadline finishes | limit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| load | admission | offered/s | goodput/s drained | vs capacity | goodput/s "
+        "arrivals | drained s | shed | refusal p99 ms | interactive TTFT p99 ms "
+        "| batch TTFT p99 ms | deadline finishes | wasted (tokens) | limit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run_ in report["runs"]:
         lines.append(
             f"| {run_['load']}x | {run_['mode']} | {run_['offered_per_s']:.2f} "
-            f"| {run_['goodput_per_s']:.2f} | {run_['goodput_vs_capacity']:.2f}x "
-            f"| {run_['shed_rate']:.0%} | {run_['refusal_p99_ms']:.1f} "
+            f"| {run_['goodput_drained_per_s']:.2f} "
+            f"| {run_['goodput_drained_vs_capacity']:.2f}x | {run_['goodput_per_s']:.2f} "
+            f"| {run_['drained_s']:.1f} | {run_['shed_rate']:.0%} | {run_['refusal_p99_ms']:.1f} "
             f"| {run_['interactive_ttft_p99_ms']:.0f} | {run_['batch_ttft_p99_ms']:.0f} "
-            f"| {run_['finishes'].get('FINISH_REASON_DEADLINE', 0)} | {limit_range(run_)} |"
+            f"| {run_['finishes'].get('FINISH_REASON_DEADLINE', 0)} "
+            f"| {run_['admitted_not_in_time']} ({run_['wasted_tokens']}) | {limit_range(run_)} |"
         )
     lines += ["", *verdicts(report)]
     return "\n".join(lines) + "\n"
@@ -505,13 +624,15 @@ def markdown(report: dict[str, Any], command: str) -> str:
 
 def print_table(report: dict[str, Any], console: Console) -> None:
     table = Table(title="overload: old vs new admission")
-    for column in ("load", "admission", "goodput/s", "vs cap", "shed", "refusal p99 ms",
-                   "int. TTFT p99", "batch TTFT p99", "limit"):  # fmt: skip
+    for column in ("load", "admission", "goodput/s drained", "vs cap", "per arrival s",
+                   "wasted", "shed", "refusal p99 ms", "int. TTFT p99", "batch TTFT p99",
+                   "limit"):  # fmt: skip
         table.add_column(column, justify="right")
     for r in report["runs"]:
         table.add_row(
-            f"{r['load']}x", r["mode"], f"{r['goodput_per_s']:.2f}",
-            f"{r['goodput_vs_capacity']:.2f}x", f"{r['shed_rate']:.0%}",
+            f"{r['load']}x", r["mode"], f"{r['goodput_drained_per_s']:.2f}",
+            f"{r['goodput_drained_vs_capacity']:.2f}x", f"{r['goodput_vs_capacity']:.2f}x",
+            str(r["admitted_not_in_time"]), f"{r['shed_rate']:.0%}",
             f"{r['refusal_p99_ms']:.1f}", f"{r['interactive_ttft_p99_ms']:.0f}",
             f"{r['batch_ttft_p99_ms']:.0f}", limit_range(r),
         )  # fmt: skip
@@ -521,19 +642,24 @@ def print_table(report: dict[str, Any], console: Console) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    """Goodput, shed rate, p99 TTFT and refusal latency against the offered load."""
+    """Goodput, shed rate, p99 TTFT and refusal latency against the offered load; below, each
+    admission's timeline at the goal's load."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    fig = plt.figure(figsize=(15, 7.4))
+    axes = [fig.add_subplot(2, 4, column + 1) for column in range(4)]
     styles = {"old": ("C3", "o"), "new": ("C0", "s")}
     for mode, (color, marker) in styles.items():
         runs = sorted((r for r in report["runs"] if r["mode"] == mode), key=lambda r: r["load"])
         loads = [r["load"] for r in runs]
+        axes[0].plot(loads, [r["goodput_drained_vs_capacity"] for r in runs], color=color,
+                     marker=marker, label=f"{mode}, drained")  # fmt: skip
         axes[0].plot(loads, [r["goodput_vs_capacity"] for r in runs], color=color,
-                     marker=marker, label=mode)  # fmt: skip
+                     marker=marker, linestyle="--", alpha=0.5,
+                     label=f"{mode}, per arrival s")  # fmt: skip
         axes[1].plot(loads, [100 * r["shed_rate"] for r in runs], color=color, marker=marker)
         for kind, style in (("interactive", "-"), ("batch", "--")):
             axes[2].plot(loads, [r[f"{kind}_ttft_p99_ms"] / 1000 for r in runs], color=color,
@@ -547,9 +673,36 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("offered load (x capacity)", fontsize=8)
         ax.tick_params(labelsize=8)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     axes[2].legend(fontsize=7)
+    for column, mode in enumerate(styles):
+        run_ = find(report, mode, GOAL_LOAD)
+        if run_ is not None:
+            timeline_axes(fig.add_subplot(2, 2, 3 + column), run_)
     save_figure(fig, path, "overload: old (fixed limit) vs new admission")
+
+
+def timeline_axes(ax: Any, run_: dict[str, Any]) -> None:
+    """One run's seconds: in flight and the limit (left axis), finished in time and wasted
+    requests per second (right axis)."""
+    rows = run_["timeline"]
+    t = [row["t"] for row in rows]
+    for name, style in (("limit", "C0"), ("running", "C2"), ("engine_running", "C7")):
+        if any(name in row for row in rows):
+            ax.plot(t, [row.get(name, math.nan) for row in rows], color=style, label=name)
+    ax.axvline(run_["seconds"], color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("s from the first arrival (dotted: the last)", fontsize=8)
+    ax.set_ylabel("requests", fontsize=8)
+    ax.tick_params(labelsize=8)
+    right = ax.twinx()
+    right.bar(t, [row["in_time"] for row in rows], color="C1", alpha=0.5, label="in time /s")
+    right.bar(t, [-row["late"] for row in rows], color="C3", alpha=0.5,
+              label="admitted, not in time /s (down)")  # fmt: skip
+    right.tick_params(labelsize=8)
+    ax.set_title(f"{run_['mode']} admission at {run_['load']}x", fontsize=9)
+    lines, labels = ax.get_legend_handles_labels()
+    bars, bar_labels = right.get_legend_handles_labels()
+    ax.legend(lines + bars, labels + bar_labels, fontsize=7, loc="upper right")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -572,6 +725,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="admissions to run, in this order at each load")  # fmt: skip
+    parser.add_argument("--port-offset", type=int, default=PORT_OFFSET,
+                        help="moves every port of the stack (kvmesh up --port-offset)")  # fmt: skip
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     if args.loads is None:
