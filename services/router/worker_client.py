@@ -7,8 +7,6 @@ never see a gRPC object and their tests fake these four methods.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
@@ -63,7 +61,9 @@ class GrpcWorkers:
     ) -> AsyncGenerator[common_pb2.GenerateEvent]:
         stub = self._peers.worker(address)
         message = worker_pb2.WorkerGenerateMessage(request=request)
-        return _events(lambda: stub.Generate(timeout=time_left), message, "Generate", address)
+        return _events(
+            lambda: stub.Generate(iter((message,)), timeout=time_left), "Generate", address
+        )
 
     async def prefill(
         self, address: str, request: worker_pb2.PrefillRequest, time_left: float | None
@@ -81,7 +81,7 @@ class GrpcWorkers:
     ) -> AsyncGenerator[common_pb2.GenerateEvent]:
         stub = self._peers.worker(address)
         message = worker_pb2.DecodeMessage(start=start)
-        return _events(lambda: stub.Decode(timeout=time_left), message, "Decode", address)
+        return _events(lambda: stub.Decode(iter((message,)), timeout=time_left), "Decode", address)
 
     async def release(self, address: str, lease_id: str) -> None:
         try:
@@ -93,30 +93,24 @@ class GrpcWorkers:
 
 
 async def _events(
-    open_call: Callable[[], Any], message: Any, rpc: str, address: str
+    open_call: Callable[[], Any], rpc: str, address: str
 ) -> AsyncGenerator[common_pb2.GenerateEvent]:
-    """A bidi call's events after its one message. The call opens when the first event is
-    asked for, and is cancelled when this closes (the router stops a worker by cancelling the
-    call, never by a Cancel message)."""
+    """A bidi call's events. The call opens when the first event is asked for, its one message
+    given as the request iterator: grpc sends it and half-closes on its own task, which ends
+    with the iterator. (Our own write/done_writing went through grpc.aio's interceptor proxy, a
+    queue read by grpc's request task, which waits on it forever when the call ends by itself,
+    a deadline, between the write and done_writing: "Task was destroyed but it is pending!"
+    in the router's log under deadline storms.) The call is
+    cancelled when this closes (the router stops a worker by cancelling the call, never by a
+    Cancel message)."""
     call = open_call()
     try:
-        await _send_only(call, message)
         async for event in call:
             yield event
     except grpc.aio.AioRpcError as error:
         raise _worker_error(error, rpc, address) from None
     finally:
         call.cancel()
-
-
-async def _send_only(call: Any, message: Any) -> None:
-    """Writes a call's one message and closes its sending side.
-
-    A call the worker already ended (it died, or refused at once) raises InvalidStateError on
-    write; reading the call then raises its real status, which the retry rules act on."""
-    with contextlib.suppress(asyncio.InvalidStateError):
-        await call.write(message)
-        await call.done_writing()
 
 
 def _worker_error(error: grpc.aio.AioRpcError, rpc: str, address: str) -> KvmeshError:
