@@ -556,7 +556,7 @@ def verdicts(report: dict[str, Any]) -> list[str]:
         f"{'met' if ttft <= DEADLINE_S['interactive'] * 1000 else 'missed'}).",
         f"- Refusals at {GOAL_LOAD}x: {new['shed']}, slowest {refusal:.1f} ms, p99 "
         f"{new['refusal_p99_ms']:.1f} ms, {new['refusals_over_goal']} at "
-        f"{REFUSAL_GOAL_MS:.0f} ms or later (refused from the queue after a wait), "
+        f"{REFUSAL_GOAL_MS:.0f} ms or later, "
         f"{new['refusals_with_retry_info']} with RetryInfo "
         f"(median retry-after {new['retry_after_p50_s']:.2f} s, interactive "
         f"{new['interactive_retry_after_p50_s']:.2f} s, batch "

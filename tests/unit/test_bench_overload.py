@@ -96,7 +96,7 @@ def test_verdicts_say_whether_each_goal_at_3x_is_met() -> None:
     assert "goal <= 10000 ms: met" in lines[2]
     assert "slowest 20.0 ms" in lines[3] and "0 at 50 ms or later" in lines[3]
     assert "met" in lines[3]
-    # ... and one refusal that came after a wait in the queue misses the refusal goal.
+    # ... and one slow refusal (2 s) misses the refusal goal.
     slow = Outcome("batch", 0.6, e2e_s=2.0, finish="RESOURCE_EXHAUSTED", retry_after_s=0.5)
     report["runs"][0] = {
         "mode": "new", "load": 3.0, "seconds": 60.0,
