@@ -100,9 +100,8 @@ async def _events(
     with the iterator. (Our own write/done_writing went through grpc.aio's interceptor proxy, a
     queue read by grpc's request task, which waits on it forever when the call ends by itself,
     a deadline, between the write and done_writing: "Task was destroyed but it is pending!"
-    in the router's log under deadline storms.) The call is
-    cancelled when this closes (the router stops a worker by cancelling the call, never by a
-    Cancel message)."""
+    in the router's log under deadline storms.) The call is cancelled when this closes (the
+    router stops a worker by cancelling the call, never by a Cancel message)."""
     call = open_call()
     try:
         async for event in call:
