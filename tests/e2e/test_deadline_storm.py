@@ -38,6 +38,8 @@ KV_BLOCKS = "256"
 MAX_TOKENS = 160
 STORM_REQUESTS = 300
 STORM_WAVE = 30
+STORM_EXTRA_WAVES = 4
+"""Waves added, at most, while no deadline has yet cut a request mid-stream."""
 IN_FLIGHT = "12"
 """The gateway's limit: the rest of a wave waits (or is shed) at the gateway."""
 PRIORITIES = ("interactive", "batch")
@@ -190,17 +192,27 @@ async def test_a_storm_of_deadlines_cancels_and_disconnects_leaves_nothing_behin
     async with grpc.aio.insecure_channel(storm_stack.gateway.address) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         whole_s = await one_whole_request_s(stub)
-        for start in range(0, STORM_REQUESTS, STORM_WAVE):
+
+        async def wave(start: int, shortest_s: float) -> None:
             calls = []
             for index in range(start, start + STORM_WAVE):
                 ending = ("deadline", "deadline", "cancel", "disconnect")[index % 4]
-                # From a deadline that passes while the request waits at the gateway to one
-                # past a whole request's time behind a wave of others.
-                deadline_s = rng.uniform(0.02, 3 * whole_s)
+                deadline_s = rng.uniform(shortest_s, 3 * whole_s)
                 after_s = rng.uniform(0.0, deadline_s)
                 request = generate_request(rng, rng.randrange(8, MAX_TOKENS))
                 calls.append(one_call(stub, request, deadline_s, ending, after_s))
             outcomes.update(outcome(*ended) for ended in await asyncio.gather(*calls))
+
+        # From a deadline that passes while the request waits at the gateway to one past a
+        # whole request's time behind a wave of others.
+        for start in range(0, STORM_REQUESTS, STORM_WAVE):
+            await wave(start, 0.02)
+        # Where the machine's speed left no deadline inside a stream, a few more waves whose
+        # deadlines all come after a whole request's time (the storm must cover that case).
+        for extra in range(STORM_EXTRA_WAVES):
+            if outcomes["FINISH_REASON_DEADLINE after tokens"]:
+                break
+            await wave(STORM_REQUESTS + extra * STORM_WAVE, whole_s)
     # The storm did cut requests before their first token and while they streamed.
     assert outcomes["FINISH_REASON_DEADLINE after tokens"], outcomes
     assert outcomes["DEADLINE_EXCEEDED"] + outcomes["FINISH_REASON_DEADLINE before any token"]
