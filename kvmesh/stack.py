@@ -33,6 +33,16 @@ WORKER_GRACE_S = 30.0
 
 WORKER_ROLES = ("prefill", "decode", "colocated")
 
+SHARED_CORES_ENV = (("OMP_WAIT_POLICY", "PASSIVE"),)
+"""The environment of a native worker that shares the machine's cores with other workers.
+
+Each worker's torch takes as many OpenMP threads as the machine has cores, and libgomp lets a
+thread that waits at a barrier spin for some 300,000 rounds while its process alone does not
+outnumber the cores. Two such workers on one machine then burn each other's cores spinning: the
+disaggregated serving row of BENCHMARKS.md "Peers" fell to 61 output tok/s, and 121 with a
+passive wait (the same run, AMD EPYC, 2 cores). libgomp reads it when torch loads, so it must be
+in the environment the process starts with."""
+
 
 @dataclass(slots=True, frozen=True)
 class StackOptions:
@@ -104,6 +114,8 @@ class StackService:
     """Worker role (prefill, decode, colocated); empty for other services."""
     http: bool = False
     """It serves HTTP (the OpenAI door), not gRPC."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Environment variables it starts with, unless the caller's environment sets them."""
 
     @property
     def address(self) -> str:
@@ -125,8 +137,10 @@ class StackService:
         return [python, "-m", self.module, *self.args]
 
 
-def worker_service(options: StackOptions, role: str, index: int, slot: int) -> StackService:
-    """The `index`-th worker of `role`, on the `slot`-th worker port."""
+def worker_service(
+    options: StackOptions, role: str, index: int, slot: int, env: tuple[tuple[str, str], ...] = ()
+) -> StackService:
+    """The `index`-th worker of `role`, on the `slot`-th worker port, started with `env`."""
     if role not in WORKER_ROLES:
         raise ValueError(f"worker role must be one of {WORKER_ROLES}, got {role!r}")
     port = FIRST_WORKER_PORT + options.port_offset + slot
@@ -152,7 +166,16 @@ def worker_service(options: StackOptions, role: str, index: int, slot: int) -> S
         *tls_args(options, name),
         *options.worker_args,
     )
-    return StackService(name, "services.worker", args, options.host, port, metrics_port, role)
+    return StackService(
+        name, "services.worker", args, options.host, port, metrics_port, role, env=env
+    )
+
+
+def worker_env(options: StackOptions, num_workers: int) -> tuple[tuple[str, str], ...]:
+    """The environment of each of `num_workers` workers on one machine: SHARED_CORES_ENV when
+    they are native and more than one (vLLM binds its own threads, VLLM_CPU_OMP_THREADS_BIND;
+    a lone native worker has the cores to itself)."""
+    return SHARED_CORES_ENV if options.engine == "native" and num_workers > 1 else ()
 
 
 def mesh_secret_path(state_dir: Path) -> Path:
@@ -218,10 +241,11 @@ def plan_workers(options: StackOptions) -> list[StackService]:
         roles = ["prefill"] * options.prefill + ["decode"] * options.decode
     if not roles or (options.mode == "disaggregated" and not (options.prefill and options.decode)):
         raise ValueError("a stack needs at least one prefill and one decode worker (or colocated)")
+    env = worker_env(options, len(roles))
     counts: dict[str, int] = {}
     workers = []
     for slot, role in enumerate(roles):
-        workers.append(worker_service(options, role, counts.get(role, 0), slot))
+        workers.append(worker_service(options, role, counts.get(role, 0), slot, env))
         counts[role] = counts.get(role, 0) + 1
     return workers
 

@@ -16,7 +16,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.grpc_server import READY_PREFIX, bind_error
@@ -38,6 +38,14 @@ def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when the supervisor dies."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def service_environment(
+    service: StackService, caller: Mapping[str, str], overrides: Mapping[str, str]
+) -> dict[str, str]:
+    """A child's environment: the service's own defaults, then the caller's environment (a
+    variable the user set wins), then the supervisor's overrides."""
+    return {**dict(service.env), **caller, "PYTHONUNBUFFERED": "1", **overrides}
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -83,7 +91,7 @@ class Supervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+            env=service_environment(service, os.environ, self.env),
             preexec_fn=_die_with_parent,
             # Own session: a terminal's Ctrl-C reaches only the supervisor, which stops the
             # children in order (gateway first) instead of all at once.

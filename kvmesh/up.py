@@ -41,6 +41,7 @@ from kvmesh.stack import (
     mesh_secret_path,
     plan_stack,
     tls_folder,
+    worker_env,
     worker_service,
     write_pools_file,
 )
@@ -136,7 +137,9 @@ class Stack:
         index = max(
             (int(s.name.rsplit("-", 1)[1]) + 1 for s in self.services if s.role == role), default=0
         )
-        service = worker_service(self.options, role, index, slot)
+        # The newcomer shares the cores with every worker already running.
+        env = worker_env(self.options, sum(1 for s in self.services if s.role) + 1)
+        service = worker_service(self.options, role, index, slot, env)
         self.supervisor.check_ports([service])
         if self.options.tls:
             issue_certificates(self.options, [service])

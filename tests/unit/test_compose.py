@@ -138,6 +138,8 @@ def test_same_module_flags_and_ports(compose: dict[str, Any], service: StackServ
     # One command line (CMD-SHELL): see docker-compose.yml's x-health.
     assert spec["healthcheck"]["test"] == shlex.join(service.healthcheck())
     assert spec["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == OTLP_ENDPOINT
+    # The environment the plan starts it with (kvmesh up's), e.g. the workers' passive wait.
+    assert spec["environment"].items() >= dict(service.env).items()
 
 
 def test_gateway_and_openai_door_are_published_on_their_ports(compose: dict[str, Any]) -> None:

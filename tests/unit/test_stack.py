@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvmesh.config import load_config
-from kvmesh.stack import StackOptions, plan_workers
+from kvmesh.stack import SHARED_CORES_ENV, StackOptions, plan_workers
+from kvmesh.supervisor import service_environment
 from services.worker.config import WorkerConfig
 
 
@@ -18,3 +19,28 @@ def test_every_worker_runs_the_chosen_engine(mode: str, engine: str) -> None:
         config = load_config(WorkerConfig, list(worker.args), {})
         assert config.engine == engine
         assert config.role == worker.role
+
+
+@pytest.mark.parametrize(
+    ("options", "shared"),
+    [
+        (StackOptions(mode="colocated"), False),
+        (StackOptions(mode="colocated", decode=2), True),
+        (StackOptions(mode="disaggregated"), True),
+        (StackOptions(mode="disaggregated", engine="vllm"), False),
+    ],
+    ids=["one-colocated", "two-colocated", "split", "split-on-vllm"],
+)
+def test_native_workers_that_share_the_cores_wait_passively(
+    options: StackOptions, shared: bool
+) -> None:
+    """Several native workers on one machine: no OpenMP thread spins on another's core."""
+    for worker in plan_workers(options):
+        assert dict(worker.env) == (dict(SHARED_CORES_ENV) if shared else {})
+
+
+def test_a_variable_the_caller_set_wins_over_the_plans() -> None:
+    worker = plan_workers(StackOptions(mode="disaggregated"))[0]
+    assert service_environment(worker, {"PATH": "/bin"}, {})["OMP_WAIT_POLICY"] == "PASSIVE"
+    mine = service_environment(worker, {"OMP_WAIT_POLICY": "ACTIVE"}, {"KVMESH_X": "1"})
+    assert mine == {"OMP_WAIT_POLICY": "ACTIVE", "PYTHONUNBUFFERED": "1", "KVMESH_X": "1"}
