@@ -475,7 +475,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--quick", action="store_true", help="fewer requests")
     parser.add_argument(
-        "--sequential-requests", type=int, default=None, help="pairs; default 400, quick 20"
+        "--sequential-requests", type=int, default=None, help="pairs; default 1000, quick 20"
     )
     parser.add_argument("--sequential-output", type=int, default=2)
     parser.add_argument("--sequential-prompt-words", type=int, default=8)
@@ -486,7 +486,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-write", action="store_true", help="print only")
     return with_quick_defaults(
         parser.parse_args(argv),
-        {"sequential_requests": (400, 20), "requests": (128, 32), "output_tokens": (32, 16)},
+        {"sequential_requests": (1000, 20), "requests": (128, 32), "output_tokens": (32, 16)},
     )
 
 

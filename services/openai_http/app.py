@@ -29,7 +29,7 @@ from kvmesh.errors import InvalidArgument, KvmeshError
 from services.openai_http import schemas, translation
 from services.openai_http.config import OpenAIHttpConfig
 from services.openai_http.generation import ClientGone, Generation
-from services.openai_http.sse import event_stream
+from services.openai_http.sse import DONE, event_stream
 from services.openai_http.translation import DoorHeaders, Plan
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,20 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.stream_response(send)
+
+    async def stream_response(self, send: Send) -> None:
+        """As starlette's, but the frames ending in `data: [DONE]` end the body in the same
+        write (starlette sends the end of a chunked body as a write of its own)."""
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        ended = False
+        async for data in self.body_iterator:
+            assert isinstance(data, bytes)
+            ended = data.endswith(DONE)
+            await send({"type": "http.response.body", "body": data, "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _param(location: tuple[int | str, ...]) -> str:
@@ -139,8 +153,13 @@ async def answer(door: Door, plan: Plan, request: Request) -> Response:
 
 @contextlib.contextmanager
 def _caller_trace(request: Request) -> Iterator[None]:
-    """Continues the caller's W3C trace (traceparent header) into the gateway call."""
-    token = otel_context.attach(propagate.extract(dict(request.headers)))
+    """Continues the caller's W3C trace (traceparent header) into the gateway call; a request
+    with none of the propagators' headers has no trace to continue."""
+    headers = request.headers
+    if not any(name in headers for name in propagate.get_global_textmap().fields):
+        yield
+        return
+    token = otel_context.attach(propagate.extract(dict(headers)))
     try:
         yield
     finally:
@@ -162,20 +181,23 @@ def create_app(config: OpenAIHttpConfig) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(KvmeshError, _kvmesh_error)
 
-    @app.post("/v1/chat/completions")
+    # The two POSTs are starlette routes: FastAPI's own route handling (dependencies, its
+    # exit stack) would run before every request reaches the gateway, for a Request argument.
     async def chat_completions(request: Request) -> Response:
         body = await _body(request, schemas.ChatCompletionRequest)
         plan = translation.chat_plan(body, DoorHeaders.parse(request.headers))
         with _caller_trace(request):
             return await answer(door, plan, request)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _body(request, schemas.CompletionRequest)
         headers = DoorHeaders.parse(request.headers)
         plan = translation.completion_plan(body, headers, config.max_prompts)
         with _caller_trace(request):
             return await answer(door, plan, request)
+
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.add_route("/v1/completions", completions, methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
