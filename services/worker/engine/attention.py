@@ -5,9 +5,11 @@ then each prefill chunk as a contiguous run of rows. On CPU in float32, all deco
 one call of the C kernel, which reads each row's blocks in place (decode_kernel.py). Elsewhere
 they are attended in groups of similar context length, one padded, masked SDPA call per group
 (the planner trades padding against calls). Each prefill chunk gets its own attention (its
-queries would make a padded batch mostly padding): on CPU, a chunk after a cached prefix
-attends to the prefix and to itself in two flash-attention calls merged by their
-log-sum-exps, where one masked call would compute the masked half too.
+queries would make a padded batch mostly padding): on CPU in float32 one call of the C
+prefill kernel, which reads the chunk's whole context through its block table
+(prefill_kernel.py); without it, on CPU, a chunk after a cached prefix attends to the prefix
+and to itself in two flash-attention calls merged by their log-sum-exps, where one masked call
+would compute the masked half too.
 Everything that does not change from layer to layer (flat block ids, masks, cache views) is
 built once per step or once per runner, to keep the per-layer Python work small.
 """
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.engine.decode_kernel import DecodeKernel
+from services.worker.engine.prefill_kernel import PrefillKernel
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,6 +54,10 @@ class PrefillSpan:
     # prefix before it (see prefill_attention).
     mask: torch.Tensor | None
     prefix_len: int = 0  # tokens of the sequence in the cache before the chunk
+    # The C kernel attends the chunk when given (mask is then None: it limits each query to
+    # its causal past, and to its last `window` positions when window > 0).
+    kernel: PrefillKernel | None = None
+    window: int = 0
 
 
 @dataclass(slots=True)
@@ -141,6 +148,15 @@ def prefill_attention(
     score too and read the mask (measured: the second 512-token chunk of a 1,024-token
     prompt spent a third of its step in that call)."""
     rows = slice(span.row_start, span.row_end)
+    if span.kernel is not None:
+        return span.kernel(
+            q[rows],
+            cache.key_blocks,
+            cache.value_blocks,
+            span.block_ids,
+            span.prefix_len,
+            span.window,
+        )
     queries = q[rows].transpose(0, 1).unsqueeze(0)
     own_keys = k[rows].transpose(0, 1).unsqueeze(0)
     own_values = v[rows].transpose(0, 1).unsqueeze(0)

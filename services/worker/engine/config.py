@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
-DECODE_ATTENTION = ("auto", "kernel", "sdpa")
+ATTENTION_MODES = ("auto", "kernel", "sdpa")  # decode_attention and prefill_attention
 SMALL_BATCH_LINEAR = ("auto", "kernel", "torch")
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
 LARGE_BATCH_LINEAR = ("auto", "onednn", "torch")
@@ -61,6 +61,12 @@ class EngineConfig:
     compiled on first use), "sdpa" (gathered blocks + torch SDPA, any device), or "auto"
     (the kernel where it applies and a C compiler is present, else SDPA)."""
 
+    prefill_attention: str = "auto"
+    """How prefill chunks attend: "kernel" (the C kernel reading the chunk's whole context
+    through its block table, CPU float32 only, compiled on first use), "sdpa" (torch's
+    attention: flash attention on CPU, the prefix gathered), or "auto" (the kernel where it
+    applies and a C compiler is present, else SDPA)."""
+
     small_batch_linear: str = "auto"
     """How projections of steps with few rows (batch-1 decode and the like) run: "kernel"
     (the C matrix-vector kernel, CPU float32 only, compiled on first use), "torch" (torch's
@@ -91,7 +97,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         choices = {
             "quantization": (self.quantization, QUANTIZATIONS),
-            "decode_attention": (self.decode_attention, DECODE_ATTENTION),
+            "decode_attention": (self.decode_attention, ATTENTION_MODES),
+            "prefill_attention": (self.prefill_attention, ATTENTION_MODES),
             "small_batch_linear": (self.small_batch_linear, SMALL_BATCH_LINEAR),
             "grammar_backend": (self.grammar_backend, GRAMMAR_BACKENDS),
             "large_batch_linear": (self.large_batch_linear, LARGE_BATCH_LINEAR),

@@ -37,6 +37,7 @@ from services.worker.engine.loader import LoadedModel, load_model, torch_dtype
 from services.worker.engine.model_runner import BatchEntry, ModelRunner
 from services.worker.engine.models import StepInterrupted
 from services.worker.engine.output_processor import Emission, OutputProcessor
+from services.worker.engine.prefill_kernel import choose_prefill_kernel
 from services.worker.engine.request import RequestState
 from services.worker.engine.sampler import Sampler, SampleRow
 from services.worker.engine.scheduler import ScheduledChunk, Scheduler
@@ -69,6 +70,9 @@ class Engine:
             config.block_size,
             decode_kernel=choose_decode_kernel(
                 config.decode_attention, loaded.device, loaded.dtype, threads
+            ),
+            prefill_kernel=choose_prefill_kernel(
+                config.prefill_attention, loaded.device, loaded.dtype, threads
             ),
             linear_kernel=choose_linear_kernel(
                 config.small_batch_linear,

@@ -27,6 +27,7 @@ from services.worker.engine.decode_kernel import DecodeKernel
 from services.worker.engine.linear_kernel import SmallBatchLinear, place_weights
 from services.worker.engine.loader import LoadedModel, dtype_name
 from services.worker.engine.models.llama import ModelConfig, Project, project_with_torch
+from services.worker.engine.prefill_kernel import PrefillKernel
 
 
 @dataclass(slots=True)
@@ -53,9 +54,11 @@ class ModelRunner:
         block_size: int = 16,
         *,
         decode_kernel: DecodeKernel | None = None,
+        prefill_kernel: PrefillKernel | None = None,
         linear_kernel: SmallBatchLinear | None = None,
     ) -> None:
         """decode_kernel: attends the decode rows when given (CPU float32); SDPA otherwise.
+        prefill_kernel: attends each prefill chunk when given (CPU float32); SDPA otherwise.
         linear_kernel: runs the projections of steps with few rows when given (CPU float32),
         on the weights it streams moved onto huge pages (linear_kernel.place_weights)."""
         if num_blocks < 1 or block_size < 1:
@@ -68,6 +71,7 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self.project: Project = linear_kernel or project_with_torch
         if linear_kernel is not None:
             place_weights(loaded.model)
@@ -255,6 +259,17 @@ class ModelRunner:
         self, entry: BatchEntry, row_start: int, row_end: int, table: torch.Tensor
     ) -> PrefillSpan:
         context = entry.start_pos + len(entry.token_ids)
+        block_ids = table[: math.ceil(context / self.block_size)].to(self.device)
+        if self.prefill_kernel is not None:
+            return PrefillSpan(
+                row_start=row_start,
+                row_end=row_end,
+                block_ids=block_ids,
+                mask=None,
+                prefix_len=entry.start_pos,
+                kernel=self.prefill_kernel,
+                window=self.config.sliding_window or 0,
+            )
         window = self.config.window_of(context)
         mask = None
         # Without a window the chunk after a prefix attends in two unmasked parts on the CPU
@@ -269,7 +284,7 @@ class ModelRunner:
         return PrefillSpan(
             row_start=row_start,
             row_end=row_end,
-            block_ids=table[: math.ceil(context / self.block_size)].to(self.device),
+            block_ids=block_ids,
             mask=mask,
             prefix_len=entry.start_pos,
         )

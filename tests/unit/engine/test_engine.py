@@ -95,19 +95,23 @@ def staggered(
 
 
 @pytest.mark.parametrize(
-    ("decode_attention", "small_batch_linear"), [("kernel", "kernel"), ("sdpa", "torch")]
+    ("attention", "small_batch_linear"), [("kernel", "kernel"), ("sdpa", "torch")]
 )
 def test_greedy_staggered_continuous_batch_matches_transformers(
     tiny_loaded: LoadedModel,
     prompts: list[list[int]],
     hf_greedy: list[list[int]],
-    decode_attention: str,
+    attention: str,
     small_batch_linear: str,
 ) -> None:
     engine = make_engine(
-        tiny_loaded, decode_attention=decode_attention, small_batch_linear=small_batch_linear
+        tiny_loaded,
+        decode_attention=attention,
+        prefill_attention=attention,
+        small_batch_linear=small_batch_linear,
     )
-    assert (engine.runner.decode_kernel is not None) == (decode_attention == "kernel")
+    assert (engine.runner.decode_kernel is not None) == (attention == "kernel")
+    assert (engine.runner.prefill_kernel is not None) == (attention == "kernel")
     assert isinstance(engine.runner.project, SmallBatchLinear) == (small_batch_linear == "kernel")
     max_running = 0
 

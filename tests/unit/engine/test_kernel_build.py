@@ -17,9 +17,10 @@ from services.worker.engine.linear_kernel import (
     load_linear_kernel,
     onednn_available,
 )
+from services.worker.engine.prefill_kernel import choose_prefill_kernel, load_prefill_kernel
 
 CPU = torch.device("cpu")
-KERNELS = ("paged_decode_attention", "small_batch_linear")
+KERNELS = ("paged_decode_attention", "paged_prefill_attention", "small_batch_linear")
 
 
 def test_every_kernel_source_is_built() -> None:
@@ -30,6 +31,7 @@ def test_every_kernel_source_is_built() -> None:
     ("choose", "load", "fallback"),
     [
         (choose_decode_kernel, load_decode_kernel, "sdpa"),
+        (choose_prefill_kernel, load_prefill_kernel, "sdpa"),
         (
             choose_linear_kernel,
             lambda threads: load_linear_kernel(threads, onednn_available()),
@@ -52,17 +54,22 @@ def test_without_a_compiler_auto_falls_back_and_kernel_refuses(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-kvmesh")
-    load_decode_kernel.cache_clear()
-    load_linear_kernel.cache_clear()
+    loaders = (load_decode_kernel, load_prefill_kernel, load_linear_kernel)
+    for loader in loaders:
+        loader.cache_clear()
     try:
-        for choose, fallback in ((choose_decode_kernel, "sdpa"), (choose_linear_kernel, "torch")):
+        for choose, fallback in (
+            (choose_decode_kernel, "sdpa"),
+            (choose_prefill_kernel, "sdpa"),
+            (choose_linear_kernel, "torch"),
+        ):
             with pytest.raises(KernelUnavailable, match="no C compiler"):
                 choose("kernel", CPU, torch.float32, 1)
             assert choose("auto", CPU, torch.float32, 1) is None
             assert f"falls back to {fallback}" in caplog.text
     finally:
-        load_decode_kernel.cache_clear()
-        load_linear_kernel.cache_clear()
+        for loader in loaders:
+            loader.cache_clear()
 
 
 def test_a_source_that_does_not_compile_says_why(

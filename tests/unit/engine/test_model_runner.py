@@ -19,6 +19,7 @@ from services.worker.engine.model_runner import (
     ModelRunner,
     padding_groups,
 )
+from services.worker.engine.prefill_kernel import load_prefill_kernel
 
 BLOCK_SIZE = 16
 
@@ -35,14 +36,16 @@ def tiny_hf(tiny_llama_dir: Path) -> LlamaForCausalLM:
 
 @pytest.fixture(params=["torch", "kernels", "kernels+onednn"])
 def kernels(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Every way a CPU step runs: torch alone (SDPA decode groups, torch matmuls), the C
-    kernels (paged decode attention, small-batch projections) with torch's matmul for larger
-    steps, and with oneDNN on reordered weights for them."""
+    """Every way a CPU step runs: torch alone (SDPA decode groups, flash-attention prefill,
+    torch matmuls), the C kernels (paged decode and prefill attention, small-batch
+    projections) with torch's matmul for larger steps, and with oneDNN on reordered weights
+    for them."""
     if request.param == "torch":
         return {}
     threads = torch.get_num_threads()
     return {
         "decode_kernel": load_decode_kernel(threads),
+        "prefill_kernel": load_prefill_kernel(threads),
         "linear_kernel": load_linear_kernel(threads, request.param == "kernels+onednn"),
     }
 

@@ -1,0 +1,342 @@
+/* Causal attention of one prefill chunk straight from the paged KV cache (CPU, float32).
+ *
+ * The chunk's queries attend to every cached token before them (a prefix) and to the chunk's
+ * own tokens, which the caller has already written into the cache: one pass over the context
+ * through the block table, with no gathered copy, no mask tensor and no second call for the
+ * prefix. Flash-attention style: the queries go in tiles, the keys in tiles, the softmax is
+ * kept online (a running max and sum per query row), and key tiles after a query tile's last
+ * position are never computed.
+ *
+ * Grouped-query attention: the query heads that share a KV head are one tile's rows (position
+ * major), so each key and value is read once for the whole group. A KV head's keys are packed
+ * transposed and its values packed row-padded once per call, so that both products are
+ * broadcast-and-multiply-add loops over whole vectors in the inner kernels.
+ *
+ * Layouts:
+ *   q            [chunk, heads, head_dim], rows `q_row_stride` floats apart (a view of the
+ *                layer's fused Q/K projection output)
+ *   key_cache,
+ *   value_cache  [num_blocks, block_size, kv_heads, head_dim] (one layer), contiguous
+ *   block_table  [ceil(context / block_size)] int64
+ *   out          [chunk, heads, head_dim], contiguous
+ * Query i sits at position prefix_len + i and attends to positions [first, prefix_len + i],
+ * first = 0, or with window > 0 (a sliding window) its last `window` positions only.
+ */
+#include <float.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "exp_approx.h"
+
+#if defined(__AVX512F__)
+#define LANES 16
+/* Register tiles: rows x vectors of accumulators (24 of AVX-512's 32 registers). */
+#define TILE_ROWS 6
+#define SCORE_VECTORS 4
+#define VALUE_VECTORS 4
+#else
+#define LANES 8
+/* 8 of AVX2's 16 registers hold accumulators; the rest the loads and broadcasts. */
+#define TILE_ROWS 4
+#define SCORE_VECTORS 2
+#define VALUE_VECTORS 2
+#endif
+
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+
+/* Keys per key tile: whole vectors of scores, a multiple of both score tiles' widths. */
+#define KEY_TILE 64
+/* Query positions per query tile (times the group's heads rows). */
+#define QUERY_TILE 32
+
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+static inline vec splat(float x) { return (vec){0} + x; }
+
+static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+/* One KV head's context, packed: keys transposed tile by tile [keys / KEY_TILE][head_dim]
+ * [KEY_TILE] (one tile's rows contiguous: rows a whole context apart would be a power-of-two
+ * stride, all in a few cache sets) and values [keys][dim_pad], both zero-padded to whole key
+ * tiles (keys) and whole vectors (dim_pad). Key 0 is position `first` of the sequence. */
+typedef struct {
+    float *keys_t;
+    float *values;
+    int64_t keys; /* padded key count */
+} PackedHead;
+
+/* Packs key tile `tile` of KV head `kv_head` (its keys [tile * KEY_TILE, + KEY_TILE), zeros
+ * past the context). */
+static void pack_tile(const PackedHead *packed, const float *key_cache, const float *value_cache,
+                      const int64_t *table, int64_t first, int64_t context, int64_t kv_head,
+                      int64_t tile, int64_t head_dim, int64_t dim_pad, int64_t block_size,
+                      int64_t token_stride) {
+    float *keys_t = packed->keys_t + tile * head_dim * KEY_TILE;
+    for (int64_t j = 0; j < KEY_TILE; j++) {
+        const int64_t t = tile * KEY_TILE + j, position = first + t;
+        float *value = packed->values + t * dim_pad;
+        if (position >= context) {
+            for (int64_t d = 0; d < head_dim; d++) keys_t[d * KEY_TILE + j] = 0.f;
+            memset(value, 0, sizeof(float) * dim_pad);
+            continue;
+        }
+        const int64_t offset = (table[position / block_size] * block_size + position % block_size)
+                                   * token_stride + kv_head * head_dim;
+        const float *key = key_cache + offset;
+        for (int64_t d = 0; d < head_dim; d++) keys_t[d * KEY_TILE + j] = key[d];
+        memcpy(value, value_cache + offset, sizeof(float) * head_dim);
+        memset(value + head_dim, 0, sizeof(float) * (dim_pad - head_dim));
+    }
+}
+
+/* scores[r][0:KEY_TILE] = queries[r] . keys[tile] for rows [0, rows) (rows a multiple of
+ * TILE_ROWS): each query element broadcast against whole vectors of transposed keys. */
+static void tile_scores(const float *queries, int64_t rows, int64_t dim_pad, int64_t head_dim,
+                        const float *keys_t, float *scores) {
+    for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS)
+        for (int64_t c0 = 0; c0 < KEY_TILE; c0 += SCORE_VECTORS * LANES) {
+            vec acc[TILE_ROWS][SCORE_VECTORS] = {{{0}}};
+            for (int64_t d = 0; d < head_dim; d++) {
+                const float *k = keys_t + d * KEY_TILE + c0;
+                vec kv[SCORE_VECTORS];
+#pragma GCC unroll 8
+                for (int v = 0; v < SCORE_VECTORS; v++) kv[v] = load(k + v * LANES);
+#pragma GCC unroll 8
+                for (int r = 0; r < TILE_ROWS; r++) {
+                    const vec q = splat(queries[(r0 + r) * dim_pad + d]);
+#pragma GCC unroll 8
+                    for (int v = 0; v < SCORE_VECTORS; v++) acc[r][v] += q * kv[v];
+                }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < TILE_ROWS; r++)
+#pragma GCC unroll 8
+                for (int v = 0; v < SCORE_VECTORS; v++)
+                    store(scores + (r0 + r) * KEY_TILE + c0 + v * LANES, acc[r][v]);
+        }
+}
+
+/* Online softmax of one row's tile: scores in [lo, hi) are real (the rest masked), turned into
+ * probabilities against the row's new running max, exactly 0 outside. Returns the factor that
+ * rescales what the row accumulated before (e^(old max - new max)); updates max and sum. Most
+ * rows of most tiles are unmasked: they take the loops without a condition per score. */
+static float tile_softmax(float *restrict scores, int64_t lo, int64_t hi, float *max,
+                          float *sum) {
+    if (lo >= hi) {
+        memset(scores, 0, sizeof(float) * KEY_TILE);
+        return 1.f;
+    }
+    const int masked = lo > 0 || hi < KEY_TILE;
+    float tile_max = -FLT_MAX;
+    if (masked) {
+#pragma omp simd reduction(max : tile_max)
+        for (int64_t j = 0; j < KEY_TILE; j++)
+            tile_max = j >= lo && j < hi && scores[j] > tile_max ? scores[j] : tile_max;
+    } else {
+#pragma omp simd reduction(max : tile_max)
+        for (int64_t j = 0; j < KEY_TILE; j++) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+    }
+    const float new_max = tile_max > *max ? tile_max : *max;
+    const float rescale = exp_approx(*max - new_max);
+    float tile_sum = 0.f;
+    if (masked) {
+#pragma omp simd reduction(+ : tile_sum)
+        for (int64_t j = 0; j < KEY_TILE; j++) {
+            const float p = j >= lo && j < hi ? exp_approx(scores[j] - new_max) : 0.f;
+            scores[j] = p;
+            tile_sum += p;
+        }
+    } else {
+#pragma omp simd reduction(+ : tile_sum)
+        for (int64_t j = 0; j < KEY_TILE; j++) {
+            scores[j] = exp_approx(scores[j] - new_max);
+            tile_sum += scores[j];
+        }
+    }
+    *sum = *sum * rescale + tile_sum;
+    *max = new_max;
+    return rescale;
+}
+
+/* acc[r] = acc[r] * rescale[r] + probs[r] . values[tile] for rows [0, rows) (a multiple of
+ * TILE_ROWS): each probability broadcast against whole vectors of a value row. */
+static void tile_values(const float *probs, int64_t rows, const float *values, int64_t dim_pad,
+                        const float *rescale, float *acc_rows) {
+    for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS)
+        for (int64_t c0 = 0; c0 < dim_pad; c0 += VALUE_VECTORS * LANES) {
+            const int64_t width = dim_pad - c0 < VALUE_VECTORS * LANES ? (dim_pad - c0) / LANES
+                                                                       : VALUE_VECTORS;
+            vec acc[TILE_ROWS][VALUE_VECTORS];
+#pragma GCC unroll 8
+            for (int r = 0; r < TILE_ROWS; r++) {
+                const vec scale = splat(rescale[r0 + r]);
+#pragma GCC unroll 8
+                for (int v = 0; v < VALUE_VECTORS; v++)
+                    acc[r][v] = v < width
+                                    ? load(acc_rows + (r0 + r) * dim_pad + c0 + v * LANES) * scale
+                                    : (vec){0};
+            }
+            for (int64_t j = 0; j < KEY_TILE; j++) {
+                const float *value = values + j * dim_pad + c0;
+                vec vv[VALUE_VECTORS];
+#pragma GCC unroll 8
+                for (int v = 0; v < VALUE_VECTORS; v++)
+                    vv[v] = v < width ? load(value + v * LANES) : (vec){0};
+#pragma GCC unroll 8
+                for (int r = 0; r < TILE_ROWS; r++) {
+                    const vec p = splat(probs[(r0 + r) * KEY_TILE + j]);
+#pragma GCC unroll 8
+                    for (int v = 0; v < VALUE_VECTORS; v++) acc[r][v] += p * vv[v];
+                }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < TILE_ROWS; r++)
+#pragma GCC unroll 8
+                for (int v = 0; v < VALUE_VECTORS; v++)
+                    if (v < width) store(acc_rows + (r0 + r) * dim_pad + c0 + v * LANES, acc[r][v]);
+        }
+}
+
+/* A thread's scratch for one query tile of one KV head. */
+typedef struct {
+    float *queries; /* [rows_pad][dim_pad], scaled */
+    float *scores;  /* [rows_pad][KEY_TILE] */
+    float *acc;     /* [rows_pad][dim_pad] */
+    float *max, *sum, *rescale; /* [rows_pad] */
+} Scratch;
+
+static int64_t padded_rows(int64_t group) {
+    return round_up(QUERY_TILE * group, TILE_ROWS);
+}
+
+static int scratch_alloc(Scratch *s, int64_t rows_pad, int64_t dim_pad) {
+    s->queries = calloc(rows_pad * dim_pad, sizeof(float));
+    s->scores = malloc(sizeof(float) * rows_pad * KEY_TILE);
+    s->acc = malloc(sizeof(float) * rows_pad * dim_pad);
+    s->max = malloc(sizeof(float) * rows_pad * 3);
+    s->sum = s->max + rows_pad;
+    s->rescale = s->sum + rows_pad;
+    return s->queries && s->scores && s->acc && s->max ? 0 : -1;
+}
+
+static void scratch_free(Scratch *s) {
+    free(s->queries);
+    free(s->scores);
+    free(s->acc);
+    free(s->max);
+}
+
+/* Query tile [i0, i1) of KV head g: rows r = (i - i0) * group + h for query head g*group + h. */
+static void query_tile(Scratch *s, const PackedHead *packed, const float *q,
+                       int64_t q_row_stride, float *out, int64_t i0, int64_t i1, int64_t g,
+                       int64_t group, int64_t heads, int64_t head_dim, int64_t dim_pad,
+                       int64_t prefix_len, int64_t first, int64_t window, float scale) {
+    const int64_t rows = (i1 - i0) * group;
+    const int64_t rows_pad = round_up(rows, TILE_ROWS);
+    for (int64_t r = 0; r < rows_pad; r++) {
+        float *row = s->queries + r * dim_pad;
+        if (r < rows) {
+            const float *src = q + (i0 + r / group) * q_row_stride + (g * group + r % group) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) row[d] = src[d] * scale;
+        } else {
+            memset(row, 0, sizeof(float) * dim_pad);
+        }
+        s->max[r] = -FLT_MAX;
+        s->sum[r] = 0.f;
+    }
+    memset(s->acc, 0, sizeof(float) * rows_pad * dim_pad);
+    /* Keys the tile needs, relative to `first`: from its first query's window start to its
+     * last query's position. */
+    const int64_t last = prefix_len + i1 - 1 - first;
+    int64_t lowest = 0;
+    if (window > 0 && prefix_len + i0 - window + 1 > first) lowest = prefix_len + i0 - window + 1 - first;
+    for (int64_t k0 = lowest - lowest % KEY_TILE; k0 <= last; k0 += KEY_TILE) {
+        tile_scores(s->queries, rows_pad, dim_pad, head_dim, packed->keys_t + k0 * head_dim,
+                    s->scores);
+        for (int64_t r = 0; r < rows_pad; r++) {
+            /* Padding rows attend to nothing. */
+            int64_t lo = 0, hi = 0;
+            if (r < rows) {
+                const int64_t position = prefix_len + i0 + r / group - first;
+                hi = position - k0 + 1;
+                hi = hi < KEY_TILE ? hi : KEY_TILE;
+                if (window > 0) {
+                    const int64_t start = position - window + 1 - k0;
+                    lo = start > 0 ? start : 0;
+                }
+            }
+            s->rescale[r] = tile_softmax(s->scores + r * KEY_TILE, lo, hi, s->max + r, s->sum + r);
+        }
+        tile_values(s->scores, rows_pad, packed->values + k0 * dim_pad, dim_pad, s->rescale,
+                    s->acc);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = out + ((i0 + r / group) * heads + g * group + r % group) * head_dim;
+        const float inverse = 1.f / s->sum[r];
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = s->acc[r * dim_pad + d] * inverse;
+    }
+}
+
+/* Returns 0, or -1 when scratch memory could not be allocated. */
+int paged_prefill_attention(const float *q, int64_t q_row_stride, const float *key_cache,
+                            const float *value_cache, const int64_t *block_table, float *out,
+                            int64_t chunk, int64_t prefix_len, int64_t heads, int64_t kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                            int threads) {
+    const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
+    const int64_t context = prefix_len + chunk;
+    const int64_t first = window > 0 && prefix_len + 1 > window ? prefix_len + 1 - window : 0;
+    const int64_t dim_pad = round_up(head_dim, LANES);
+    const int64_t keys_pad = round_up(context - first, KEY_TILE);
+    const int64_t tiles = (chunk + QUERY_TILE - 1) / QUERY_TILE;
+    PackedHead *packed = malloc(sizeof(PackedHead) * kv_heads);
+    float *memory = malloc(sizeof(float) * kv_heads * keys_pad * (head_dim + dim_pad));
+    if (packed == NULL || memory == NULL) {
+        free(packed);
+        free(memory);
+        return -1;
+    }
+    const int64_t key_tiles = keys_pad / KEY_TILE;
+    for (int64_t g = 0; g < kv_heads; g++) {
+        packed[g].keys = keys_pad;
+        packed[g].keys_t = memory + g * keys_pad * (head_dim + dim_pad);
+        packed[g].values = packed[g].keys_t + keys_pad * head_dim;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t unit = 0; unit < kv_heads * key_tiles; unit++) {
+            const int64_t g = unit / key_tiles;
+            pack_tile(&packed[g], key_cache, value_cache, block_table, first, context, g,
+                      unit % key_tiles, head_dim, dim_pad, block_size, token_stride);
+        }
+        Scratch scratch;
+        if (scratch_alloc(&scratch, padded_rows(group), dim_pad) != 0) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        /* Last query tiles first: they attend to the most keys (dynamic balance). */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t unit = 0; unit < tiles * kv_heads; unit++) {
+            if (failed) continue;
+            const int64_t tile = tiles - 1 - unit / kv_heads, g = unit % kv_heads;
+            const int64_t i0 = tile * QUERY_TILE;
+            const int64_t i1 = i0 + QUERY_TILE < chunk ? i0 + QUERY_TILE : chunk;
+            query_tile(&scratch, &packed[g], q, q_row_stride, out, i0, i1, g, group, heads,
+                       head_dim, dim_pad, prefix_len, first, window, scale);
+        }
+        scratch_free(&scratch);
+    }
+    free(memory);
+    free(packed);
+    return failed ? -1 : 0;
+}
