@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from services.worker.engine.decode_kernel import DecodeKernel
 from services.worker.engine.prefill_kernel import PrefillKernel
+from services.worker.engine.rope_store_kernel import RopeStoreKernel
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +90,9 @@ class KernelDecode:
 @dataclass(slots=True)
 class AttentionBatch:
     slots: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of every token
+    # Rotates each layer's Q/K and writes its K/V into the cache in one pass when given
+    # (CPU float32); torch's ops otherwise (models/llama.py: rotate_and_store).
+    rope_store: RopeStoreKernel | None
     # The decode rows go one of two ways: groups for SDPA, or all at once through the kernel.
     decode_groups: list[DecodeGroup]
     kernel_decode: KernelDecode | None
@@ -102,14 +106,18 @@ def gather_context(blocks: torch.Tensor, block_ids: torch.Tensor, rows: int) -> 
     return gathered.view(rows, -1, blocks.shape[2], blocks.shape[3]).transpose(1, 2)
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerKvCache, batch: AttentionBatch) -> None:
+    """The step's new K/V [T, kv_heads, dim] into their cache slots."""
+    cache.key_slots.index_copy_(0, batch.slots, k)
+    cache.value_slots.index_copy_(0, batch.slots, v)
+
+
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKvCache, batch: AttentionBatch
 ) -> torch.Tensor:
     """q [T, heads, dim], k/v [T, kv_heads, dim] (new tokens) -> attention output [T, heads, dim].
 
-    Writes the new K/V into the cache first, so every query sees its own token."""
-    cache.key_slots.index_copy_(0, batch.slots, k)
-    cache.value_slots.index_copy_(0, batch.slots, v)
+    The new K/V must be in the cache already (store_kv), so every query sees its own token."""
     outputs: list[torch.Tensor] = []
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     if (decode := batch.kernel_decode) is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
 ATTENTION_MODES = ("auto", "kernel", "sdpa")  # decode_attention and prefill_attention
-SMALL_BATCH_LINEAR = ("auto", "kernel", "torch")
+KERNEL_OR_TORCH = ("auto", "kernel", "torch")  # small_batch_linear and rope_store
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
 LARGE_BATCH_LINEAR = ("auto", "onednn", "torch")
 
@@ -67,6 +67,11 @@ class EngineConfig:
     attention: flash attention on CPU, the prefix gathered), or "auto" (the kernel where it
     applies and a C compiler is present, else SDPA)."""
 
+    rope_store: str = "auto"
+    """How each layer rotates its new Q/K (RoPE) and writes its K/V into the cache: "kernel"
+    (one C pass, CPU float32 only, compiled on first use), "torch" (torch's ops), or "auto"
+    (the kernel where it applies and a C compiler is present)."""
+
     small_batch_linear: str = "auto"
     """How projections of steps with few rows (batch-1 decode and the like) run: "kernel"
     (the C matrix-vector kernel, CPU float32 only, compiled on first use), "torch" (torch's
@@ -99,7 +104,8 @@ class EngineConfig:
             "quantization": (self.quantization, QUANTIZATIONS),
             "decode_attention": (self.decode_attention, ATTENTION_MODES),
             "prefill_attention": (self.prefill_attention, ATTENTION_MODES),
-            "small_batch_linear": (self.small_batch_linear, SMALL_BATCH_LINEAR),
+            "rope_store": (self.rope_store, KERNEL_OR_TORCH),
+            "small_batch_linear": (self.small_batch_linear, KERNEL_OR_TORCH),
             "grammar_backend": (self.grammar_backend, GRAMMAR_BACKENDS),
             "large_batch_linear": (self.large_batch_linear, LARGE_BATCH_LINEAR),
         }

@@ -39,6 +39,7 @@ from services.worker.engine.models import StepInterrupted
 from services.worker.engine.output_processor import Emission, OutputProcessor
 from services.worker.engine.prefill_kernel import choose_prefill_kernel
 from services.worker.engine.request import RequestState
+from services.worker.engine.rope_store_kernel import choose_rope_store_kernel
 from services.worker.engine.sampler import Sampler, SampleRow
 from services.worker.engine.scheduler import ScheduledChunk, Scheduler
 from services.worker.engine.throughput import ThroughputMeter
@@ -73,6 +74,9 @@ class Engine:
             ),
             prefill_kernel=choose_prefill_kernel(
                 config.prefill_attention, loaded.device, loaded.dtype, threads
+            ),
+            rope_store_kernel=choose_rope_store_kernel(
+                config.rope_store, loaded.device, loaded.dtype, threads
             ),
             linear_kernel=choose_linear_kernel(
                 config.small_batch_linear,

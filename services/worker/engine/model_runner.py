@@ -28,6 +28,7 @@ from services.worker.engine.linear_kernel import SmallBatchLinear, place_weights
 from services.worker.engine.loader import LoadedModel, dtype_name
 from services.worker.engine.models.llama import ModelConfig, Project, project_with_torch
 from services.worker.engine.prefill_kernel import PrefillKernel
+from services.worker.engine.rope_store_kernel import RopeStoreKernel
 
 
 @dataclass(slots=True)
@@ -55,10 +56,13 @@ class ModelRunner:
         *,
         decode_kernel: DecodeKernel | None = None,
         prefill_kernel: PrefillKernel | None = None,
+        rope_store_kernel: RopeStoreKernel | None = None,
         linear_kernel: SmallBatchLinear | None = None,
     ) -> None:
         """decode_kernel: attends the decode rows when given (CPU float32); SDPA otherwise.
         prefill_kernel: attends each prefill chunk when given (CPU float32); SDPA otherwise.
+        rope_store_kernel: rotates each layer's Q/K and stores its K/V when given (CPU
+        float32); torch's ops otherwise.
         linear_kernel: runs the projections of steps with few rows when given (CPU float32),
         on the weights it streams moved onto huge pages (linear_kernel.place_weights)."""
         if num_blocks < 1 or block_size < 1:
@@ -72,6 +76,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
+        self.rope_store_kernel = rope_store_kernel
         self.project: Project = linear_kernel or project_with_torch
         if linear_kernel is not None:
             place_weights(loaded.model)
@@ -205,6 +210,7 @@ class ModelRunner:
             positions=positions.to(device),
             attention=AttentionBatch(
                 slots=slots.to(device),
+                rope_store=self.rope_store_kernel,
                 decode_groups=decode_groups,
                 kernel_decode=kernel_decode,
                 prefills=prefills,

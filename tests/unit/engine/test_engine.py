@@ -108,10 +108,12 @@ def test_greedy_staggered_continuous_batch_matches_transformers(
         tiny_loaded,
         decode_attention=attention,
         prefill_attention=attention,
+        rope_store=small_batch_linear,
         small_batch_linear=small_batch_linear,
     )
     assert (engine.runner.decode_kernel is not None) == (attention == "kernel")
     assert (engine.runner.prefill_kernel is not None) == (attention == "kernel")
+    assert (engine.runner.rope_store_kernel is not None) == (small_batch_linear == "kernel")
     assert isinstance(engine.runner.project, SmallBatchLinear) == (small_batch_linear == "kernel")
     max_running = 0
 

@@ -116,6 +116,7 @@ def test_greedy_staggered_continuous_batch_matches_transformers(
         loaded,
         decode_attention="kernel" if kernels == "on" else "sdpa",
         prefill_attention="kernel" if kernels == "on" else "sdpa",
+        rope_store="kernel" if kernels == "on" else "torch",
         small_batch_linear="kernel" if kernels == "on" else "torch",
     )
     assert isinstance(engine.runner.project, SmallBatchLinear) == (kernels == "on")

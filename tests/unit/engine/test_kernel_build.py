@@ -18,9 +18,18 @@ from services.worker.engine.linear_kernel import (
     onednn_available,
 )
 from services.worker.engine.prefill_kernel import choose_prefill_kernel, load_prefill_kernel
+from services.worker.engine.rope_store_kernel import (
+    choose_rope_store_kernel,
+    load_rope_store_kernel,
+)
 
 CPU = torch.device("cpu")
-KERNELS = ("paged_decode_attention", "paged_prefill_attention", "small_batch_linear")
+KERNELS = (
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rope_and_store",
+    "small_batch_linear",
+)
 
 
 def test_every_kernel_source_is_built() -> None:
@@ -32,6 +41,7 @@ def test_every_kernel_source_is_built() -> None:
     [
         (choose_decode_kernel, load_decode_kernel, "sdpa"),
         (choose_prefill_kernel, load_prefill_kernel, "sdpa"),
+        (choose_rope_store_kernel, load_rope_store_kernel, "torch"),
         (
             choose_linear_kernel,
             lambda threads: load_linear_kernel(threads, onednn_available()),
@@ -54,13 +64,14 @@ def test_without_a_compiler_auto_falls_back_and_kernel_refuses(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-kvmesh")
-    loaders = (load_decode_kernel, load_prefill_kernel, load_linear_kernel)
+    loaders = (load_decode_kernel, load_prefill_kernel, load_rope_store_kernel, load_linear_kernel)
     for loader in loaders:
         loader.cache_clear()
     try:
         for choose, fallback in (
             (choose_decode_kernel, "sdpa"),
             (choose_prefill_kernel, "sdpa"),
+            (choose_rope_store_kernel, "torch"),
             (choose_linear_kernel, "torch"),
         ):
             with pytest.raises(KernelUnavailable, match="no C compiler"):

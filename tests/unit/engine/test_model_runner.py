@@ -20,6 +20,7 @@ from services.worker.engine.model_runner import (
     padding_groups,
 )
 from services.worker.engine.prefill_kernel import load_prefill_kernel
+from services.worker.engine.rope_store_kernel import load_rope_store_kernel
 
 BLOCK_SIZE = 16
 
@@ -37,15 +38,16 @@ def tiny_hf(tiny_llama_dir: Path) -> LlamaForCausalLM:
 @pytest.fixture(params=["torch", "kernels", "kernels+onednn"])
 def kernels(request: pytest.FixtureRequest) -> dict[str, Any]:
     """Every way a CPU step runs: torch alone (SDPA decode groups, flash-attention prefill,
-    torch matmuls), the C kernels (paged decode and prefill attention, small-batch
-    projections) with torch's matmul for larger steps, and with oneDNN on reordered weights
-    for them."""
+    RoPE and K/V stores as torch ops, torch matmuls), the C kernels (paged decode and prefill
+    attention, RoPE with the K/V store, small-batch projections) with torch's matmul for
+    larger steps, and with oneDNN on reordered weights for them."""
     if request.param == "torch":
         return {}
     threads = torch.get_num_threads()
     return {
         "decode_kernel": load_decode_kernel(threads),
         "prefill_kernel": load_prefill_kernel(threads),
+        "rope_store_kernel": load_rope_store_kernel(threads),
         "linear_kernel": load_linear_kernel(threads, request.param == "kernels+onednn"),
     }
 

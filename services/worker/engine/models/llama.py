@@ -20,7 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine.attention import AttentionBatch, LayerKvCache, paged_attention
+from services.worker.engine.attention import (
+    AttentionBatch,
+    LayerKvCache,
+    paged_attention,
+    store_kv,
+)
 from services.worker.engine.models import StepInterrupted
 from services.worker.engine.models.family import ModelFamily
 
@@ -246,6 +251,28 @@ def apply_rope(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rotations).flatten(-2).to(x.dtype)
 
 
+def rotate_and_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    rotations: torch.Tensor,
+    cache: LayerKvCache,
+    batch: AttentionBatch,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, heads + 2 * kv_heads, dim] contiguous -> (q, k, v) with RoPE applied to q and
+    k, and k and v written into the cache (by the batch's kernel in one pass where it has one,
+    rotating qkv in place)."""
+    num_kv_heads = (qkv.shape[1] - num_heads) // 2
+    if batch.rope_store is not None:
+        batch.rope_store(qkv, num_heads, rotations, batch.slots, cache.key_slots, cache.value_slots)
+        rotated = qkv[:, : num_heads + num_kv_heads]
+    else:
+        rotated = apply_rope(qkv[:, : num_heads + num_kv_heads], rotations)
+    q, k, v = rotated[:, :num_heads], rotated[:, num_heads:], qkv[:, num_heads + num_kv_heads :]
+    if batch.rope_store is None:
+        store_kv(k, v, cache, batch)
+    return q, k, v
+
+
 def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Hugging Face Q/K rows (each head: first halves, then second halves of the rotary pairs)
     -> pairs adjacent. The same permutation llama.cpp applies when it writes a GGUF."""
@@ -313,10 +340,7 @@ class LlamaLayer(nn.Module):
             qkv[:, : self.num_heads] = self.q_norm(qkv[:, : self.num_heads])
             heads = slice(self.num_heads, self.num_heads + self.num_kv_heads)
             qkv[:, heads] = self.k_norm(qkv[:, heads])
-        rotated = apply_rope(qkv[:, : self.num_heads + self.num_kv_heads], rotations)
-        q = rotated[:, : self.num_heads]
-        k = rotated[:, self.num_heads :]
-        v = qkv[:, self.num_heads + self.num_kv_heads :]
+        q, k, v = rotate_and_store(qkv, self.num_heads, rotations, kv_cache, batch)
         attn = paged_attention(q, k, v, kv_cache, batch)
         project(self.o_proj, attn.reshape(tokens, -1), residual=hidden)
         gate_up = project(self.gate_up_proj, hidden, norm=self.post_attention_norm)

@@ -1,0 +1,45 @@
+"""The C RoPE + K/V store kernel against torch's ops (models/llama.apply_rope, index_copy_)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.models.llama import apply_rope
+from services.worker.engine.rope_store_kernel import load_rope_store_kernel
+
+
+# One decode row, a few, and a prefill chunk long enough to be split over threads.
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 8)])
+def test_kernel_matches_torch(
+    tokens: int, threads: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    generator = torch.Generator().manual_seed(tokens * 10 + heads)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, head_dim, generator=generator)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=generator) * 100
+    rotations = torch.polar(torch.ones_like(angles), angles)
+    num_slots = tokens + 40
+    slots = torch.randperm(num_slots, generator=generator)[:tokens]
+    key_slots = torch.randn(num_slots, kv_heads, head_dim, generator=generator)
+    value_slots = torch.randn(num_slots, kv_heads, head_dim, generator=generator)
+
+    rotated = apply_rope(qkv[:, : heads + kv_heads], rotations)
+    expected_keys, expected_values = key_slots.clone(), value_slots.clone()
+    expected_keys.index_copy_(0, slots, rotated[:, heads:])
+    expected_values.index_copy_(0, slots, qkv[:, heads + kv_heads :])
+    values_before = qkv[:, heads + kv_heads :].clone()
+
+    load_rope_store_kernel(threads)(qkv, heads, rotations, slots, key_slots, value_slots)
+
+    torch.testing.assert_close(qkv[:, : heads + kv_heads], rotated, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qkv[:, heads + kv_heads :], values_before)  # V is not rotated
+    torch.testing.assert_close(key_slots, expected_keys, atol=1e-6, rtol=1e-6)
+    assert torch.equal(value_slots, expected_values)  # every other slot untouched
+
+
+def test_config_refuses_an_unknown_mode() -> None:
+    with pytest.raises(ValueError, match="rope_store must be one of"):
+        EngineConfig(rope_store="fused").validate()
