@@ -56,7 +56,8 @@ class PrefillSpan:
     mask: torch.Tensor | None
     prefix_len: int = 0  # tokens of the sequence in the cache before the chunk
     # The C kernel attends the chunk when given (mask is then None: it limits each query to
-    # its causal past, and to its last `window` positions when window > 0).
+    # its causal past, and to its last `window` positions when window > 0, the model's
+    # sliding window or 0).
     kernel: PrefillKernel | None = None
     window: int = 0
 

@@ -265,35 +265,31 @@ class ModelRunner:
         self, entry: BatchEntry, row_start: int, row_end: int, table: torch.Tensor
     ) -> PrefillSpan:
         context = entry.start_pos + len(entry.token_ids)
-        block_ids = table[: math.ceil(context / self.block_size)].to(self.device)
-        if self.prefill_kernel is not None:
-            return PrefillSpan(
-                row_start=row_start,
-                row_end=row_end,
-                block_ids=block_ids,
-                mask=None,
-                prefix_len=entry.start_pos,
-                kernel=self.prefill_kernel,
-                window=self.config.sliding_window or 0,
-            )
-        window = self.config.window_of(context)
-        mask = None
-        # Without a window the chunk after a prefix attends in two unmasked parts on the CPU
-        # (attention.prefill_attention); elsewhere through one masked call.
-        if window is not None or (entry.start_pos > 0 and self.device.type != "cpu"):
-            query_positions = torch.arange(entry.start_pos, context)[:, None]
-            key_positions = torch.arange(context)[None, :]
-            blocked = key_positions > query_positions
-            if window is not None:
-                blocked |= key_positions <= query_positions - window
-            mask = self._additive_mask(blocked).to(self.device)
         return PrefillSpan(
             row_start=row_start,
             row_end=row_end,
-            block_ids=block_ids,
-            mask=mask,
+            block_ids=table[: math.ceil(context / self.block_size)].to(self.device),
+            mask=None if self.prefill_kernel is not None else self._prefill_mask(entry),
             prefix_len=entry.start_pos,
+            kernel=self.prefill_kernel,
+            window=self.config.sliding_window or 0,
         )
+
+    def _prefill_mask(self, entry: BatchEntry) -> torch.Tensor | None:
+        """The [chunk, context] mask torch's attention needs for the chunk, or None where it
+        attends without one: without a window, the chunk after a prefix attends in two
+        unmasked parts on the CPU (attention.prefill_attention); elsewhere through one masked
+        call. (The prefill kernel computes both limits itself.)"""
+        context = entry.start_pos + len(entry.token_ids)
+        window = self.config.window_of(context)
+        if window is None and (entry.start_pos == 0 or self.device.type == "cpu"):
+            return None
+        query_positions = torch.arange(entry.start_pos, context)[:, None]
+        key_positions = torch.arange(context)[None, :]
+        blocked = key_positions > query_positions
+        if window is not None:
+            blocked |= key_positions <= query_positions - window
+        return self._additive_mask(blocked).to(self.device)
 
 
 # Padding blocks one extra decode group is worth: the group's extra gathers and SDPA call
