@@ -477,6 +477,8 @@ class Request:
     ttft_s: float
     e2e_s: float
     token_ids: list[int]
+    finish_reason: str = "length"  # as the server said it ("length" with ignore_eos: complete)
+    error: str = ""  # the server's message when it ended the request on an error
 
 
 class Server(Protocol):
@@ -505,7 +507,10 @@ class KvmeshServer:
                 if chunk.token_ids and not tokens:
                     ttft = time.perf_counter() - started
                 tokens += chunk.token_ids
-        return Request(ttft, time.perf_counter() - started, tokens)
+            result = stream.result
+        return Request(
+            ttft, time.perf_counter() - started, tokens, result.finish_reason, result.error_message
+        )
 
     async def close(self) -> None:
         await self._client.close()
@@ -533,6 +538,7 @@ class VllmServer:
         started = time.perf_counter()
         ttft = math.nan
         tokens: list[int] = []
+        finish_reason = ""
         async with self._session.post(f"{self._url}/v1/completions", json=body) as response:
             response.raise_for_status()
             async for line in response.content:
@@ -544,7 +550,8 @@ class VllmServer:
                 if delta and not tokens:
                     ttft = time.perf_counter() - started
                 tokens += delta
-        return Request(ttft, time.perf_counter() - started, tokens)
+                finish_reason = choices[0].get("finish_reason") or finish_reason
+        return Request(ttft, time.perf_counter() - started, tokens, finish_reason)
 
     async def close(self) -> None:
         await self._session.close()
@@ -639,13 +646,25 @@ async def serving_row(server: Server, prompts: list[list[int]], output: int) -> 
         duration = time.perf_counter() - started
     tokens = sum(len(r.token_ids) for r in done)
     ttfts = [r.ttft_s * 1000 for r in done]
-    tpots = [(r.e2e_s - r.ttft_s) * 1000 / (len(r.token_ids) - 1) for r in done]
+    # A request that ended after one token has no time per output token; it counts below.
+    tpots = [
+        (r.e2e_s - r.ttft_s) * 1000 / (len(r.token_ids) - 1) for r in done if len(r.token_ids) > 1
+    ]
+    incomplete = [
+        f"{len(r.token_ids)} of {output} tokens, {r.finish_reason or 'no finish'}"
+        + (f": {r.error}" if r.error else "")
+        for r in done
+        if len(r.token_ids) < output
+    ]
+    if incomplete:
+        print(f"{server.name}: {len(incomplete)} incomplete answers: {incomplete}", file=sys.stderr)
     return {
         "region": asdict(region),
         "tok_s": tokens / duration,
         "ttft_p50_ms": percentile(ttfts, 50),
         "ttft_p99_ms": percentile(ttfts, 99),
         "tpot_p50_ms": percentile(tpots, 50),
+        "incomplete": incomplete,
         "outputs": [r.token_ids for r in done],
     }
 
@@ -1156,6 +1175,13 @@ def markdown(report: Report, command: str) -> str:
             f"- {name}: {agree['identical']} of {agree['requests']} requests identical; on average "
             f"{agree['agreeing_share']:.0%} of each output agrees before any divergence."
         )
+    for system, rows in report.servers.items():
+        for run in rows.get("serving", []):
+            if run.get("incomplete"):
+                lines.append(
+                    f"- {system}, serving: {len(run['incomplete'])} answers incomplete: "
+                    + "; ".join(run["incomplete"])
+                )
     steps = step_lines(report)
     if steps:
         lines += ["", "Against the machine:", "", *steps]
