@@ -69,7 +69,6 @@ static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to
 typedef struct {
     float *keys_t;
     float *values;
-    int64_t keys; /* padded key count */
 } PackedHead;
 
 /* Packs key tile `tile` of KV head `kv_head` (its keys [tile * KEY_TILE, + KEY_TILE), zeros
@@ -305,7 +304,6 @@ int paged_prefill_attention(const float *q, int64_t q_row_stride, const float *k
     }
     const int64_t key_tiles = keys_pad / KEY_TILE;
     for (int64_t g = 0; g < kv_heads; g++) {
-        packed[g].keys = keys_pad;
         packed[g].keys_t = memory + g * keys_pad * (head_dim + dim_pad);
         packed[g].values = packed[g].keys_t + keys_pad * head_dim;
     }

@@ -261,16 +261,15 @@ def rotate_and_store(
     """qkv [T, heads + 2 * kv_heads, dim] contiguous -> (q, k, v) with RoPE applied to q and
     k, and k and v written into the cache (by the batch's kernel in one pass where it has one,
     rotating qkv in place)."""
-    num_kv_heads = (qkv.shape[1] - num_heads) // 2
+    rotated_heads = num_heads + (qkv.shape[1] - num_heads) // 2  # Q and K
+    values = qkv[:, rotated_heads:]
     if batch.rope_store is not None:
         batch.rope_store(qkv, num_heads, rotations, batch.slots, cache.key_slots, cache.value_slots)
-        rotated = qkv[:, : num_heads + num_kv_heads]
+        rotated = qkv[:, :rotated_heads]
     else:
-        rotated = apply_rope(qkv[:, : num_heads + num_kv_heads], rotations)
-    q, k, v = rotated[:, :num_heads], rotated[:, num_heads:], qkv[:, num_heads + num_kv_heads :]
-    if batch.rope_store is None:
-        store_kv(k, v, cache, batch)
-    return q, k, v
+        rotated = apply_rope(qkv[:, :rotated_heads], rotations)
+        store_kv(rotated[:, num_heads:], values, cache, batch)
+    return rotated[:, :num_heads], rotated[:, num_heads:], values
 
 
 def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
