@@ -5,6 +5,15 @@
  * rows' real K/V once. Rows are spread over OpenMP threads; a row does all its heads at once so
  * that each token's K/V (all KV heads, contiguous in the cache) is read in one sweep.
  *
+ * The scores of a tile of LANES tokens are LANES dot products whose partial sums stay in
+ * vectors and are reduced together by a shuffle tree (one reduction per tile, not a chain of
+ * scalar adds per dot product), and a block's values are summed into vector registers before
+ * they touch the output row (one load and store of it per block, not per token). That took
+ * the kernel from 23.8 to 20.2 ms a step with the KV in cache and from 44.6 to 40.0 ms from
+ * memory (32 rows of 310 tokens, 30 layers, SmolLM2-135M's heads; 2 cores of an Intel Xeon
+ * with AVX-512), where it now runs at about half the machine's streaming read bandwidth:
+ * software prefetching, huge pages and reading each block in address order changed nothing.
+ *
  * Layouts (contiguous):
  *   q, out        [rows, heads, head_dim]
  *   key_cache,
@@ -23,30 +32,59 @@
 
 #include "exp_approx.h"
 
-typedef float v8 __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+/* Vectors of the head dimension summed per pass of the value tile: kept in registers along
+ * with the vector being loaded, on AVX2's 16 registers too. */
+#define VALUE_VECTORS 4
 
-static inline v8 load8(const float *p) {
-    v8 v;
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t lane_index __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vec load(const float *p) {
+    vec v;
     memcpy(&v, p, sizeof v); /* unaligned load */
     return v;
 }
 
-/* a . b with four independent vector sums: one running sum would make every multiply-add
- * wait for the previous one, and a decode step is mostly these short (head_dim) dots. */
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    v8 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        s0 += load8(a + i) * load8(b + i);
-        s1 += load8(a + i + 8) * load8(b + i + 8);
-        s2 += load8(a + i + 16) * load8(b + i + 16);
-        s3 += load8(a + i + 24) * load8(b + i + 24);
-    }
-    for (; i + 8 <= n; i += 8) s0 += load8(a + i) * load8(b + i);
-    const v8 total = (s0 + s1) + (s2 + s3);
-    float sum = 0.f;
-    for (int lane = 0; lane < 8; lane++) sum += total[lane];
-    for (; i < n; i++) sum += a[i] * b[i];
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* One level of lane_sums' tree: lane l of the result adds two lanes of a or b that hold parts
+ * of the same sum (lo picks the first, the one `unit` lanes after it is the second). */
+static inline vec fold(vec a, vec b, lane_index lo, int unit) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, lo + unit);
+}
+
+/* Lane j of the result = the sum of the lanes of v[j]. The masks pick, for each pair of
+ * unit-wide lane groups, the first group of a then the first group of b (indices >= LANES
+ * are b's), so that after log2(LANES) levels lane j holds v[j]'s total. */
+static inline vec lane_sums(vec v[LANES]) {
+#if LANES == 16
+    const lane_index level1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const lane_index level2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const lane_index level3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const lane_index level4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    for (int i = 0; i < 8; i++) v[i] = fold(v[2 * i], v[2 * i + 1], level1, 1);
+    for (int i = 0; i < 4; i++) v[i] = fold(v[2 * i], v[2 * i + 1], level2, 2);
+    for (int i = 0; i < 2; i++) v[i] = fold(v[2 * i], v[2 * i + 1], level3, 4);
+    return fold(v[0], v[1], level4, 8);
+#else
+    const lane_index level1 = {0, 8, 2, 10, 4, 12, 6, 14};
+    const lane_index level2 = {0, 1, 8, 9, 4, 5, 12, 13};
+    const lane_index level3 = {0, 1, 2, 3, 8, 9, 10, 11};
+    for (int i = 0; i < 4; i++) v[i] = fold(v[2 * i], v[2 * i + 1], level1, 1);
+    for (int i = 0; i < 2; i++) v[i] = fold(v[2 * i], v[2 * i + 1], level2, 2);
+    return fold(v[0], v[1], level3, 4);
+#endif
+}
+
+/* The vector part of q . k (head_dim rounded down to whole vectors), lanes not yet summed. */
+static inline vec partial_dot(const float *q, const float *k, int64_t vectors) {
+    vec sum = {0};
+    for (int64_t c = 0; c < vectors; c++) sum += load(q + c * LANES) * load(k + c * LANES);
     return sum;
 }
 
@@ -63,43 +101,77 @@ static void softmax_in_place(float *restrict scores, int64_t n) {
     for (int64_t t = 0; t < n; t++) scores[t] *= inverse;
 }
 
+typedef struct {
+    const int64_t *table;
+    int64_t first, context; /* the tokens attended: [first, context) */
+    int64_t heads, group, head_dim, block_size, token_stride;
+} Row;
+
 /* scores[h * n + t - first] = q_h . k_t * scale for every head h and context token t in
- * [first, context), n = context - first. */
-static void row_scores(const float *q, const float *key_cache, const int64_t *table,
-                       int64_t first, int64_t context, int64_t heads, int64_t group,
-                       int64_t head_dim, int64_t block_size, int64_t token_stride, float scale,
+ * [first, context), n = context - first; tokens in tiles of up to LANES within a block. */
+static void row_scores(const Row *row, const float *q, const float *key_cache, float scale,
                        float *scores) {
-    const int64_t n = context - first;
-    for (int64_t start = first - first % block_size; start < context; start += block_size) {
-        const int64_t lo = start < first ? first - start : 0;
-        const int64_t hi = context - start < block_size ? context - start : block_size;
-        const float *block = key_cache + table[start / block_size] * block_size * token_stride;
-        for (int64_t i = lo; i < hi; i++)
-            for (int64_t h = 0; h < heads; h++)
-                scores[h * n + start + i - first] =
-                    dot(q + h * head_dim, block + i * token_stride + (h / group) * head_dim,
-                        head_dim) * scale;
+    const int64_t n = row->context - row->first, dim = row->head_dim;
+    const int64_t vectors = dim / LANES, tail = vectors * LANES;
+    const int64_t bs = row->block_size;
+    float sums[LANES];
+    for (int64_t start = row->first - row->first % bs; start < row->context; start += bs) {
+        const int64_t lo = start < row->first ? row->first - start : 0;
+        const int64_t hi = row->context - start < bs ? row->context - start : bs;
+        const float *block = key_cache + row->table[start / bs] * bs * row->token_stride;
+        for (int64_t i = lo; i < hi; i += LANES) {
+            const int64_t count = hi - i < LANES ? hi - i : LANES;
+            const float *keys = block + i * row->token_stride;
+            for (int64_t h = 0; h < row->heads; h++) {
+                const float *qh = q + h * dim;
+                const float *kh = keys + (h / row->group) * dim;
+                vec partial[LANES];
+                for (int j = 0; j < LANES; j++)
+                    partial[j] = j < count ? partial_dot(qh, kh + j * row->token_stride, vectors)
+                                           : (vec){0};
+                store(sums, lane_sums(partial));
+                float *out = scores + h * n + start + i - row->first;
+                for (int64_t j = 0; j < count; j++) {
+                    float sum = sums[j];
+                    for (int64_t d = tail; d < dim; d++) sum += qh[d] * kh[j * row->token_stride + d];
+                    out[j] = sum * scale;
+                }
+            }
+        }
     }
 }
 
 /* out_h = sum_t probs[h * n + t - first] * v_t for every head h (t, n as in row_scores). */
-static void row_values(const float *probs, const float *value_cache, const int64_t *table,
-                       int64_t first, int64_t context, int64_t heads, int64_t group,
-                       int64_t head_dim, int64_t block_size, int64_t token_stride, float *out) {
-    const int64_t n = context - first;
-    for (int64_t i = 0; i < heads * head_dim; i++) out[i] = 0.f;
-    for (int64_t start = first - first % block_size; start < context; start += block_size) {
-        const int64_t lo = start < first ? first - start : 0;
-        const int64_t hi = context - start < block_size ? context - start : block_size;
-        const float *block = value_cache + table[start / block_size] * block_size * token_stride;
-        for (int64_t i = lo; i < hi; i++)
-            for (int64_t h = 0; h < heads; h++) {
-                const float p = probs[h * n + start + i - first];
-                const float *restrict v = block + i * token_stride + (h / group) * head_dim;
-                float *restrict o = out + h * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) o[d] += p * v[d];
+static void row_values(const Row *row, const float *probs, const float *value_cache,
+                       float *out) {
+    const int64_t n = row->context - row->first, dim = row->head_dim;
+    const int64_t bs = row->block_size, stride = row->token_stride;
+    for (int64_t i = 0; i < row->heads * dim; i++) out[i] = 0.f;
+    for (int64_t start = row->first - row->first % bs; start < row->context; start += bs) {
+        const int64_t lo = start < row->first ? row->first - start : 0;
+        const int64_t hi = row->context - start < bs ? row->context - start : bs;
+        const float *block = value_cache + row->table[start / bs] * bs * stride;
+        for (int64_t h = 0; h < row->heads; h++) {
+            const float *p = probs + h * n + start - row->first;
+            const float *values = block + (h / row->group) * dim;
+            float *o = out + h * dim;
+            int64_t d = 0;
+            for (; d + VALUE_VECTORS * LANES <= dim; d += VALUE_VECTORS * LANES) {
+                vec sum[VALUE_VECTORS];
+                for (int c = 0; c < VALUE_VECTORS; c++) sum[c] = load(o + d + c * LANES);
+                for (int64_t i = lo; i < hi; i++) {
+                    const float weight = p[i];
+                    for (int c = 0; c < VALUE_VECTORS; c++)
+                        sum[c] += weight * load(values + i * stride + d + c * LANES);
+                }
+                for (int c = 0; c < VALUE_VECTORS; c++) store(o + d + c * LANES, sum[c]);
             }
+            for (; d < dim; d++) {
+                float sum = o[d];
+                for (int64_t i = lo; i < hi; i++) sum += p[i] * values[i * stride + d];
+                o[d] = sum;
+            }
+        }
     }
 }
 
@@ -109,7 +181,6 @@ int paged_decode_attention(const float *q, const float *key_cache, const float *
                            int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            int64_t block_size, int64_t max_blocks, int64_t window, float scale,
                            int threads) {
-    const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
     int failed = 0;
     /* No more threads than rows: a thread with nothing to do would still join the barrier,
      * which on a busy machine can cost a whole scheduling slice. Longest rows usually come
@@ -118,20 +189,26 @@ int paged_decode_attention(const float *q, const float *key_cache, const float *
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t context = context_lens[r];
-        const int64_t first = window > 0 && context > window ? context - window : 0;
-        const int64_t n = context - first;
-        const int64_t *table = block_tables + r * max_blocks;
+        const Row row = {
+            .table = block_tables + r * max_blocks,
+            .first = window > 0 && context > window ? context - window : 0,
+            .context = context,
+            .heads = heads,
+            .group = heads / kv_heads,
+            .head_dim = head_dim,
+            .block_size = block_size,
+            .token_stride = kv_heads * head_dim,
+        };
+        const int64_t n = row.context - row.first;
         float *scores = malloc(sizeof(float) * heads * n);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
-        row_scores(q + r * heads * head_dim, key_cache, table, first, context, heads, group,
-                   head_dim, block_size, token_stride, scale, scores);
+        row_scores(&row, q + r * heads * head_dim, key_cache, scale, scores);
         for (int64_t h = 0; h < heads; h++) softmax_in_place(scores + h * n, n);
-        row_values(scores, value_cache, table, first, context, heads, group, head_dim,
-                   block_size, token_stride, out + r * heads * head_dim);
+        row_values(&row, scores, value_cache, out + r * heads * head_dim);
         free(scores);
     }
     return failed ? -1 : 0;
