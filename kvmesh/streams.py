@@ -120,6 +120,7 @@ async def run_unless_cancelled(work: Awaitable[T], cancelled: asyncio.Event) -> 
 
 
 _END = object()
+_WAKE = object()  # wakes a consumer waiting for a batch: Coalescer.interrupt()
 
 
 class _Failure:
@@ -136,13 +137,33 @@ class Coalescer(Generic[T]):
     the first batch is asked for (the engine starts a request when its iterator is first
     advanced). A slow consumer receives batches, a fast one single items. `aclose()` cancels
     the drain and closes `source` (for the engine, closing its iterator aborts the request).
+    `interrupt()` ends the batches early (a cancel, a worker gone).
     """
 
     def __init__(self, source: AsyncIterator[T]) -> None:
         self._source = source
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._ended = False
+        self.interrupted = False
+        """interrupt() ended the batches (not the source)."""
+        self._watchers: list[asyncio.Future[None]] = []
         self._pump = asyncio.create_task(self._drain())
+
+    def interrupt(self) -> None:
+        """Ends the batches now: a consumer waiting for one, or asking for the next, sees the
+        end (items not yet taken are dropped). Safe to call more than once."""
+        if not self.interrupted:
+            self.interrupted = True
+            self._queue.put_nowait(_WAKE)
+
+    def interrupt_when(self, event: asyncio.Event) -> None:
+        """interrupt() once `event` is set: one task for the iterator's life (racing every
+        batch against the event took two tasks a batch, the most a token cost a hop)."""
+        self._watchers.append(asyncio.ensure_future(self._interrupt_on(event)))
+
+    async def _interrupt_on(self, event: asyncio.Event) -> None:
+        await event.wait()
+        self.interrupt()
 
     async def _drain(self) -> None:
         try:
@@ -157,11 +178,13 @@ class Coalescer(Generic[T]):
         return self
 
     async def __anext__(self) -> list[T]:
-        if self._ended:
+        if self._ended or self.interrupted:
             raise StopAsyncIteration
         batch: list[T] = []
         item = await self._queue.get()
         while True:
+            if item is _WAKE:
+                raise StopAsyncIteration
             if item is _END or isinstance(item, _Failure):
                 if batch:
                     # Deliver what came before; the end (or error) follows on the next call.
@@ -179,6 +202,8 @@ class Coalescer(Generic[T]):
     async def aclose(self) -> None:
         """Stops draining and closes the source; safe to call more than once."""
         self._ended = True
+        for watcher in self._watchers:
+            watcher.cancel()
         if not self._pump.done():
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -44,7 +44,7 @@ from kvmesh.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kvmesh.streams import Coalescer, run_unless_cancelled
+from kvmesh.streams import Coalescer
 from kvmesh.v1 import common_pb2, worker_pb2
 from services.router import events as build
 from services.router import metrics
@@ -245,6 +245,12 @@ class Orchestrator:
             attempt.first_token, attempt.sampled = resumed.first_token, resumed.sampled
         downstream = _downstream_request(job.request, plan.tier, job.request_id, job.attempts)
         events = Coalescer(self._attempt_events(attempt, downstream, job.deadline))
+        # The caller's cancel, or a worker of the attempt leaving the rotation (a frozen one,
+        # stopped, not dead, would otherwise hold its calls until HTTP/2 keepalive gives up on
+        # the connection), ends its events (_next_batch says which).
+        events.interrupt_when(job.cancelled)
+        for worker in plan.workers:
+            events.interrupt_when(self.registry.departure(worker.address))
         job.live.add(events)
         return attempt, events
 
@@ -367,25 +373,22 @@ class Orchestrator:
         otherwise hold its calls until HTTP/2 keepalive gives up on the connection), or when
         its decoding worker sends nothing for many of its measured step times (stalled while
         its health checks pass)."""
-        stop, stalled = asyncio.Event(), asyncio.Event()
-        watches = [
-            asyncio.ensure_future(_set_when(waited, stop))
-            for waited in (
-                job.cancelled,
-                stalled,
-                *(self.registry.departure(w.address) for w in attempt.plan.workers),
-            )
-        ]
         bound = self._progress_bound(attempt)
-        if bound is not None:
-            watches.append(asyncio.ensure_future(_set_after(bound, stalled)))
+        stalled = False
+
+        def stall() -> None:
+            nonlocal stalled
+            stalled = True
+            events.interrupt()
+
+        timer = None if bound is None else asyncio.get_running_loop().call_later(bound, stall)
         try:
-            batch = await run_unless_cancelled(anext(events, None), stop)
+            batch = await anext(events, None)
         finally:
-            for watch in watches:
-                watch.cancel()
-        if stop.is_set() and batch is None and not job.cancelled.is_set():
-            if stalled.is_set():
+            if timer is not None:
+                timer.cancel()
+        if events.interrupted and batch is None and not job.cancelled.is_set():
+            if stalled:
                 raise Unavailable(
                     f"{attempt.decoding} sent nothing for {bound:.1f}s, "
                     f"{self.stall_steps:g} of its measured step times (stalled)"
@@ -590,16 +593,6 @@ class Orchestrator:
     async def close(self) -> None:
         """Waits for the background lease releases (at shutdown)."""
         await self._background.wait(RELEASE_WAIT_S)
-
-
-async def _set_when(waited: asyncio.Event, then: asyncio.Event) -> None:
-    await waited.wait()
-    then.set()
-
-
-async def _set_after(seconds: float, then: asyncio.Event) -> None:
-    await asyncio.sleep(seconds)
-    then.set()
 
 
 def _downstream_request(

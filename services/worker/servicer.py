@@ -39,7 +39,7 @@ from kvmesh.errors import (
 )
 from kvmesh.mesh_auth import caller_of
 from kvmesh.mesh_keys import MeshKeys
-from kvmesh.streams import CancelWatch, Coalescer, first_message, run_unless_cancelled
+from kvmesh.streams import CancelWatch, Coalescer, first_message
 from kvmesh.telemetry import tracer
 from kvmesh.timings import request_timings
 from kvmesh.tls import TlsFiles
@@ -306,13 +306,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         the request and frees its blocks (see `_stop`).
         """
         batches = Coalescer(outputs)
+        batches.interrupt_when(cancelled)
         try:
             if lead is not None:
                 self._observe_chunk(rpc, state, len(lead.token_ids))
                 yield common_pb2.GenerateEvent(chunk=lead)
             while True:
                 with _engine_errors():
-                    batch = await run_unless_cancelled(anext(batches, None), cancelled)
+                    batch = await anext(batches, None)
                 if batch is None:
                     # Cancelled, or the engine ended the stream without a finish reason.
                     self._count_finished(rpc, FinishReason.ABORT)

@@ -77,6 +77,52 @@ async def test_coalescer_starts_and_closes_the_source() -> None:
     assert await anext(batches, None) is None
 
 
+async def test_coalescer_interrupt_wakes_a_waiting_consumer_and_stays() -> None:
+    never = asyncio.Event()
+    batches = Coalescer(_items(["a", "b"], gate=never))
+    waiting = asyncio.ensure_future(anext(batches, None))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    batches.interrupt()
+    assert await asyncio.wait_for(waiting, 1.0) is None
+    assert batches.interrupted
+    never.set()  # what the source makes after the interrupt is never delivered
+    await asyncio.sleep(0.01)
+    assert await anext(batches, None) is None
+    await batches.aclose()
+
+
+async def test_coalescer_interrupt_when_an_event_is_set() -> None:
+    cancelled, gate = asyncio.Event(), asyncio.Event()
+
+    async def source() -> AsyncIterator[str]:
+        for value in ["a", "b", "c"]:
+            await gate.wait()
+            gate.clear()
+            yield value
+
+    batches = Coalescer(source())
+    batches.interrupt_when(cancelled)
+    gate.set()
+    assert await anext(batches) == ["a"]
+    cancelled.set()
+    assert await asyncio.wait_for(anext(batches, None), 1.0) is None
+    assert batches.interrupted
+    gate.set()
+    await asyncio.sleep(0.01)
+    assert await anext(batches, None) is None  # "b", made after the interrupt, never comes
+    await batches.aclose()
+
+
+async def test_coalescer_ends_at_the_source_end_without_interrupt() -> None:
+    batches = Coalescer(_items(["a"]))
+    batches.interrupt_when(asyncio.Event())
+    assert await anext(batches) == ["a"]
+    assert await anext(batches, None) is None
+    assert not batches.interrupted
+    await batches.aclose()
+
+
 async def test_cancel_watch_sees_cancel_not_half_close() -> None:
     watch = CancelWatch(_items(["x", "cancel:stop"]), _reason, "r1")
     watch.start()
