@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from services.worker.engine.kernel_build import choose_kernel, load_library
+from services.worker.engine.kernel_build import choose_kernel, load_library, profiled
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -46,8 +46,7 @@ class DecodeKernel:
         q = q.contiguous()
         out = torch.empty_like(q)
         rows, heads, head_dim = q.shape
-        # Named for torch.profiler, which cannot see into a foreign call (costs ~1 us).
-        with torch.profiler.record_function("kvmesh::paged_decode_attention"):
+        with profiled("kvmesh::paged_decode_attention"):
             status = self._function(
                 q.data_ptr(),
                 key_blocks.data_ptr(),

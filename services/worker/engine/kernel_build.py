@@ -8,6 +8,7 @@ the engine keeps torch's path.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -66,6 +67,15 @@ def choose_kernel(
             raise
         logger.warning("falls back to %s: %s", fallback, exc)
         return None
+
+
+def profiled(name: str) -> contextlib.AbstractContextManager[object]:
+    """A kernel call named for torch.profiler, which cannot see into a foreign call; a no-op
+    unless a profiler runs (record_function costs ~7 us a call, 0.2 ms of a batch-1 decode
+    step over 30 layers)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
 
 
 def load_library(name: str) -> ctypes.CDLL:

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from services.worker.engine.kernel_build import choose_kernel, load_library
+from services.worker.engine.kernel_build import choose_kernel, load_library, profiled
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -54,8 +54,7 @@ class PrefillKernel:
         chunk, heads, head_dim = q.shape
         table = block_table.contiguous()  # held: the kernel reads it by address
         out = torch.empty((chunk, heads, head_dim), dtype=q.dtype)
-        # Named for torch.profiler, which cannot see into a foreign call (costs ~1 us).
-        with torch.profiler.record_function("kvmesh::paged_prefill_attention"):
+        with profiled("kvmesh::paged_prefill_attention"):
             status = self._function(
                 q.data_ptr(),
                 q.stride(0),

@@ -15,19 +15,21 @@ CPU = torch.device("cpu")
 
 
 # A sliding window of 24 tokens (window > 0) starts mid-block and covers 2-3 blocks.
+@pytest.mark.parametrize("lone", [False, True])
 @pytest.mark.parametrize("window", [0, 24])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (8, 2, 32)])
 def test_kernel_matches_plain_attention(
-    threads: int, heads: int, kv_heads: int, head_dim: int, window: int
+    threads: int, heads: int, kv_heads: int, head_dim: int, window: int, lone: bool
 ) -> None:
+    """lone: one row, fewer than the threads, which the kernel splits by KV head."""
     generator = torch.Generator().manual_seed(heads * 100 + kv_heads * 10 + threads)
     num_blocks = 64
     keys = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=generator)
     values = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, head_dim, generator=generator)
     # A context of one token, exact block multiples, one past a multiple, and long ones, over
     # scattered blocks (tables padded with block 0, which the kernel must not read).
-    contexts = [1, 16, 17, 100, 250, 5, 32]
+    contexts = [250] if lone else [1, 16, 17, 100, 250, 5, 32]
     order = torch.randperm(num_blocks, generator=generator).tolist()
     tables, used = [], 0
     for context in contexts:

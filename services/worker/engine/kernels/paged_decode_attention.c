@@ -101,10 +101,11 @@ static void softmax_in_place(float *restrict scores, int64_t n) {
     for (int64_t t = 0; t < n; t++) scores[t] *= inverse;
 }
 
+/* One work item: query heads [head0, head0 + heads) of one row. */
 typedef struct {
     const int64_t *table;
     int64_t first, context; /* the tokens attended: [first, context) */
-    int64_t heads, group, head_dim, block_size, token_stride;
+    int64_t head0, heads, group, head_dim, block_size, token_stride;
 } Row;
 
 /* scores[h * n + t - first] = q_h . k_t * scale for every head h and context token t in
@@ -124,7 +125,7 @@ static void row_scores(const Row *row, const float *q, const float *key_cache, f
             const float *keys = block + i * row->token_stride;
             for (int64_t h = 0; h < row->heads; h++) {
                 const float *qh = q + h * dim;
-                const float *kh = keys + (h / row->group) * dim;
+                const float *kh = keys + ((row->head0 + h) / row->group) * dim;
                 vec partial[LANES];
                 for (int j = 0; j < LANES; j++)
                     partial[j] = j < count ? partial_dot(qh, kh + j * row->token_stride, vectors)
@@ -153,7 +154,7 @@ static void row_values(const Row *row, const float *probs, const float *value_ca
         const float *block = value_cache + row->table[start / bs] * bs * stride;
         for (int64_t h = 0; h < row->heads; h++) {
             const float *p = probs + h * n + start - row->first;
-            const float *values = block + (h / row->group) * dim;
+            const float *values = block + ((row->head0 + h) / row->group) * dim;
             float *o = out + h * dim;
             int64_t d = 0;
             for (; d + VALUE_VECTORS * LANES <= dim; d += VALUE_VECTORS * LANES) {
@@ -182,33 +183,39 @@ int paged_decode_attention(const float *q, const float *key_cache, const float *
                            int64_t block_size, int64_t max_blocks, int64_t window, float scale,
                            int threads) {
     int failed = 0;
-    /* No more threads than rows: a thread with nothing to do would still join the barrier,
+    /* Fewer rows than threads (a lone request's decode): each row is split by KV head too, or
+     * all threads but one would wait. */
+    const int64_t parts = rows < threads ? kv_heads : 1, items = rows * parts;
+    const int64_t part_heads = heads / parts;
+    /* No more threads than items: a thread with nothing to do would still join the barrier,
      * which on a busy machine can cost a whole scheduling slice. Longest rows usually come
      * first: dynamic scheduling keeps the threads evenly busy. */
-    const int team = rows < threads ? (int)rows : threads;
+    const int team = items < threads ? (int)items : threads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(team)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t context = context_lens[r];
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t r = item / parts, context = context_lens[r];
         const Row row = {
             .table = block_tables + r * max_blocks,
             .first = window > 0 && context > window ? context - window : 0,
             .context = context,
-            .heads = heads,
+            .head0 = item % parts * part_heads,
+            .heads = part_heads,
             .group = heads / kv_heads,
             .head_dim = head_dim,
             .block_size = block_size,
             .token_stride = kv_heads * head_dim,
         };
         const int64_t n = row.context - row.first;
-        float *scores = malloc(sizeof(float) * heads * n);
+        const int64_t offset = (r * heads + row.head0) * head_dim;
+        float *scores = malloc(sizeof(float) * part_heads * n);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
-        row_scores(&row, q + r * heads * head_dim, key_cache, scale, scores);
-        for (int64_t h = 0; h < heads; h++) softmax_in_place(scores + h * n, n);
-        row_values(&row, scores, value_cache, out + r * heads * head_dim);
+        row_scores(&row, q + offset, key_cache, scale, scores);
+        for (int64_t h = 0; h < part_heads; h++) softmax_in_place(scores + h * n, n);
+        row_values(&row, scores, value_cache, out + offset);
         free(scores);
     }
     return failed ? -1 : 0;
