@@ -24,9 +24,9 @@ class DecodeKernel:
     """Decode attention of many single-token rows over one layer's paged K/V."""
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        self._function = library.paged_decode_attention
-        self._function.restype = ctypes.c_int
-        self._function.argtypes = [_POINTER] * 6 + [_INT] * 7 + [ctypes.c_float, ctypes.c_int]
+        self.function = library.paged_decode_attention
+        self.function.restype = ctypes.c_int
+        self.function.argtypes = [_POINTER] * 6 + [_INT] * 7 + [ctypes.c_float, ctypes.c_int]
         self.num_threads = num_threads
 
     def __call__(
@@ -47,7 +47,7 @@ class DecodeKernel:
         out = torch.empty_like(q)
         rows, heads, head_dim = q.shape
         with profiled("kvmesh::paged_decode_attention"):
-            status = self._function(
+            status = self.function(
                 q.data_ptr(),
                 key_blocks.data_ptr(),
                 value_blocks.data_ptr(),

@@ -63,9 +63,9 @@ class SmallBatchLinear:
         """packed: runs the float32 projections of more than max_rows rows when given
         (instead of torch's products)."""
         self._packed = packed
-        self._function = library.small_batch_linear
-        self._function.restype = ctypes.c_int
-        self._function.argtypes = [
+        self.function = library.small_batch_linear
+        self.function.restype = ctypes.c_int
+        self.function.argtypes = [
             *(_POINTER, _INT, _INT),  # x, rows, x row stride
             *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
             *(_POINTER, _POINTER, _POINTER),  # weight, int8 scales (or NULL), bias (or NULL)
@@ -118,7 +118,7 @@ class SmallBatchLinear:
         y = residual if residual is not None else x.new_empty(x.shape[0], outs)
         # No torch.profiler.record_function around the call: at ~8 us it would cost a third
         # of a batch-1 projection's time outside the matmul.
-        status = self._function(
+        status = self.function(
             x.data_ptr(),
             x.shape[0],
             x.stride(0),

@@ -7,6 +7,7 @@ in that order: layer, K/V, token, kv head, dim.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,11 +25,25 @@ from services.worker.engine.attention import (
     PrefillSpan,
 )
 from services.worker.engine.decode_kernel import DecodeKernel
+from services.worker.engine.decode_layers_kernel import (
+    DecodeLayers,
+    decode_layers_library,
+    expressible,
+)
+from services.worker.engine.kernel_build import KernelUnavailable
 from services.worker.engine.linear_kernel import SmallBatchLinear, place_weights
 from services.worker.engine.loader import LoadedModel, dtype_name
-from services.worker.engine.models.llama import ModelConfig, Project, project_with_torch
+from services.worker.engine.models import StepInterrupted
+from services.worker.engine.models.llama import (
+    LlamaModel,
+    ModelConfig,
+    Project,
+    project_with_torch,
+)
 from services.worker.engine.prefill_kernel import PrefillKernel
 from services.worker.engine.rope_store_kernel import RopeStoreKernel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -58,13 +73,17 @@ class ModelRunner:
         prefill_kernel: PrefillKernel | None = None,
         rope_store_kernel: RopeStoreKernel | None = None,
         linear_kernel: SmallBatchLinear | None = None,
+        fuse_small_decodes: bool = True,
     ) -> None:
         """decode_kernel: attends the decode rows when given (CPU float32); SDPA otherwise.
         prefill_kernel: attends each prefill chunk when given (CPU float32); SDPA otherwise.
         rope_store_kernel: rotates each layer's Q/K and stores its K/V when given (CPU
         float32); torch's ops otherwise.
         linear_kernel: runs the projections of steps with few rows when given (CPU float32),
-        on the weights it streams moved onto huge pages (linear_kernel.place_weights)."""
+        on the weights it streams moved onto huge pages (linear_kernel.place_weights).
+        fuse_small_decodes: with all three of the decode, RoPE/store and linear kernels, a
+        step of only decode rows, no more than the linear kernel takes, runs its layers in one
+        C call (decode_layers_kernel.py; the same numbers)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
@@ -95,6 +114,29 @@ class ModelRunner:
             device=loaded.device,
         )
         self._layer_caches = [LayerKvCache.of(layer_kv) for layer_kv in self.kv_cache.unbind(0)]
+        self.decode_layers = (
+            self._decode_layers(linear_kernel, rope_store_kernel, decode_kernel)
+            if fuse_small_decodes
+            else None
+        )
+
+    def _decode_layers(
+        self,
+        linear: SmallBatchLinear | None,
+        rope_store: RopeStoreKernel | None,
+        attention: DecodeKernel | None,
+    ) -> DecodeLayers | None:
+        if linear is None or rope_store is None or attention is None:
+            return None
+        if not isinstance(self.model, LlamaModel) or not expressible(self.model):
+            return None
+        try:
+            library = decode_layers_library()
+        except KernelUnavailable as exc:
+            logger.warning("decode steps run layer by layer: %s", exc)
+            return None
+        kernels = (linear, rope_store, attention)
+        return DecodeLayers(library, self.model, self._layer_caches, self.block_size, kernels)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
@@ -114,14 +156,32 @@ class ModelRunner:
         interrupt: asked between layers; True stops the pass with StepInterrupted."""
         with torch.inference_mode():
             plan = self._plan(batch)
-            hidden = self.model(
-                plan.token_ids,
-                plan.positions,
-                self._layer_caches,
-                plan.attention,
-                interrupt,
-                self.project,
-            )
+            decode = plan.attention.kernel_decode
+            if (
+                self.decode_layers is not None
+                and decode is not None
+                and not plan.attention.prefills
+                and decode.rows <= self.decode_layers.max_rows
+            ):
+                # Asked once: the layers run in one call, tens of milliseconds at most.
+                if interrupt is not None and interrupt():
+                    raise StepInterrupted
+                hidden = self.decode_layers(
+                    self.model.embed_tokens(plan.token_ids),
+                    self.model.rotary.lookup(plan.positions),
+                    plan.attention.slots,
+                    decode.block_tables,
+                    decode.context_lens,
+                )
+            else:
+                hidden = self.model(
+                    plan.token_ids,
+                    plan.positions,
+                    self._layer_caches,
+                    plan.attention,
+                    interrupt,
+                    self.project,
+                )
             return self.model.compute_logits(hidden[plan.logit_rows], self.project)
 
     def read_block(self, block_id: int) -> bytes:

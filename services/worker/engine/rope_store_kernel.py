@@ -24,9 +24,9 @@ class RopeStoreKernel:
     """RoPE on a step's Q/K heads in place, and its K/V into one layer's cache slots."""
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        self._function = library.rope_and_store
-        self._function.restype = None
-        self._function.argtypes = [_POINTER] + [_INT] * 5 + [_POINTER] * 4 + [ctypes.c_int]
+        self.function = library.rope_and_store
+        self.function.restype = None
+        self.function.argtypes = [_POINTER] + [_INT] * 5 + [_POINTER] * 4 + [ctypes.c_int]
         self.num_threads = num_threads
 
     def __call__(
@@ -46,7 +46,7 @@ class RopeStoreKernel:
         The caller guarantees the shapes (the layer builds them); ctypes cannot check."""
         pairs = torch.view_as_real(rotations)  # [T, 1, dim / 2, 2], (cos, sin)
         tokens, width, head_dim = qkv.shape
-        self._function(
+        self.function(
             qkv.data_ptr(),
             tokens,
             width * head_dim,

@@ -30,6 +30,7 @@ from services.worker.engine.linear_kernel import (
 from services.worker.engine.llm import LLM
 from services.worker.engine.loader import LoadedModel, ModelLoadError, load_model, save_hf_folder
 from services.worker.engine.model_runner import BatchEntry, ModelRunner
+from services.worker.engine.rope_store_kernel import load_rope_store_kernel
 from tests.tiny_checkpoints import (
     FAMILIES,
     TINY_CORPUS,
@@ -236,6 +237,46 @@ def test_logits_match_transformers_at_every_position(
         decode_logits(loaded, prompt.tolist(), kernels),
     ):
         torch.testing.assert_close(logits, expected, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_fused_decode_layers_give_the_layer_by_layer_logits_exactly(
+    family_dir: Path, loaded: LoadedModel, quantization: str
+) -> None:
+    """Decode steps of few rows run all their layers in one C call (decode_layers_kernel.py)
+    where the family's layers allow it (not Qwen3's per-head Q/K norm): the same kernels in
+    the same order, so the logits equal the layer-by-layer path's bit for bit."""
+    model = loaded if quantization == "none" else load_model(str(family_dir), quantization="int8")
+    generator = torch.Generator().manual_seed(9)
+    prompts = [
+        torch.randint(0, loaded.config.vocab_size, (n,), generator=generator).tolist()
+        for n in (5, 23, 40)  # one block, a part-filled second, past the tiny Mistral window
+    ]
+    tables = [list(range(i * 4, (i + 1) * 4)) for i in range(len(prompts))]
+    steps: dict[bool, torch.Tensor] = {}
+    for fuse in (True, False):
+        threads = torch.get_num_threads()
+        runner = ModelRunner(
+            model,
+            num_blocks=4 * len(prompts),
+            block_size=BLOCK_SIZE,
+            decode_kernel=load_decode_kernel(threads),
+            rope_store_kernel=load_rope_store_kernel(threads),
+            linear_kernel=load_linear_kernel(threads),
+            fuse_small_decodes=fuse,
+        )
+        assert (runner.decode_layers is not None) == (fuse and not loaded.config.qk_norm)
+        runner.forward([BatchEntry(p[:-1], 0, t) for p, t in zip(prompts, tables, strict=True)])
+        tokens, logits = [p[-1] for p in prompts], []
+        for step in range(4):
+            entries = [
+                BatchEntry([token], len(p) - 1 + step, table)
+                for token, p, table in zip(tokens, prompts, tables, strict=True)
+            ]
+            logits.append(runner.forward(entries))
+            tokens = logits[-1].argmax(-1).tolist()
+        steps[fuse] = torch.stack(logits)
+    assert torch.equal(steps[True], steps[False])
 
 
 def test_mistral_window_shorter_than_the_prompt_hides_the_tokens_before_it(

@@ -25,6 +25,7 @@ from services.worker.engine.rope_store_kernel import (
 
 CPU = torch.device("cpu")
 KERNELS = (
+    "decode_layers",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rope_and_store",

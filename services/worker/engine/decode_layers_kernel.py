@@ -1,0 +1,175 @@
+"""All decoder layers of a small decode step in one C call (kernels/decode_layers.c).
+
+At batch 1 the kernels themselves (projections, RoPE + K/V store, attention) took 25 of a
+33.9 ms step and the Python around them, layer after layer, the other 8.8 ms on one thread
+(SmolLM2-135M, 2 cores of an Intel Xeon). decode_layers.c calls the same kernels in the same
+order with the same arguments, so a step's numbers are bit for bit those of the layer-by-layer
+path; it runs a step that holds only decode rows, no more than the small-batch linear kernel
+takes, of a model whose layers it can express (no per-head Q/K norm, every projection a
+float32 or int8 matrix the kernel reads). Such a step is tens of milliseconds: it is not
+interrupted between layers (an interactive arrival waits at most that).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from services.worker.engine.attention import LayerKvCache
+from services.worker.engine.decode_kernel import DecodeKernel
+from services.worker.engine.kernel_build import load_library
+from services.worker.engine.linear_kernel import SmallBatchLinear, kernel_weights
+from services.worker.engine.models.llama import LlamaLayer, LlamaModel
+from services.worker.engine.rope_store_kernel import RopeStoreKernel
+
+_POINTER = ctypes.c_void_p
+_INT = ctypes.c_int64
+
+
+class _Projection(ctypes.Structure):
+    _fields_ = [("weight", _POINTER), ("scales", _POINTER), ("bias", _POINTER)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _POINTER),
+        ("post_attention_norm", _POINTER),
+        ("qkv", _Projection),
+        ("o", _Projection),
+        ("gate_up", _Projection),
+        ("down", _Projection),
+        ("key_cache", _POINTER),
+        ("value_cache", _POINTER),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        ("linear", _POINTER),
+        ("rope_store", _POINTER),
+        ("attention", _POINTER),
+        ("hidden", _INT),
+        ("heads", _INT),
+        ("kv_heads", _INT),
+        ("head_dim", _INT),
+        ("intermediate", _INT),
+        ("block_size", _INT),
+        ("window", _INT),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("threads", ctypes.c_int),
+    ]
+
+
+class DecodeLayers:
+    """The decoder layers of one model over its KV cache, as one call per decode step."""
+
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        model: LlamaModel,
+        layer_caches: list[LayerKvCache],
+        block_size: int,
+        kernels: tuple[SmallBatchLinear, RopeStoreKernel, DecodeKernel],
+    ) -> None:
+        """The model's weights and cache are read by address from here on: they must stay
+        where they are (the runner places the weights before it builds this)."""
+        linear, rope_store, attention = kernels
+        config = model.config
+        layers = model.decoder_layers()
+        self.max_rows = linear.max_rows
+        self._function = library.decode_layers
+        self._function.restype = ctypes.c_int
+        self._function.argtypes = [_POINTER, _POINTER, _INT, _POINTER, _INT, *[_POINTER] * 4, _INT]
+        self._model = _Model(
+            linear=ctypes.cast(linear.function, _POINTER).value,
+            rope_store=ctypes.cast(rope_store.function, _POINTER).value,
+            attention=ctypes.cast(attention.function, _POINTER).value,
+            hidden=config.hidden_size,
+            heads=config.num_heads,
+            kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            intermediate=config.intermediate_size,
+            block_size=block_size,
+            window=config.sliding_window or 0,
+            eps=config.rms_norm_eps,
+            scale=config.head_dim**-0.5,
+            threads=linear.num_threads,
+        )
+        table = (_Layer * len(layers))()
+        for entry, layer, cache in zip(table, layers, layer_caches, strict=True):
+            entry.input_norm = layer.input_norm.weight.data_ptr()
+            entry.post_attention_norm = layer.post_attention_norm.weight.data_ptr()
+            entry.qkv = _projection(layer.qkv_proj)
+            entry.o = _projection(layer.o_proj)
+            entry.gate_up = _projection(layer.gate_up_proj)
+            entry.down = _projection(layer.down_proj)
+            entry.key_cache = cache.key_blocks.data_ptr()
+            entry.value_cache = cache.value_blocks.data_ptr()
+        self._layers = table
+        self._num_layers = len(layers)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        rotations: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """hidden [rows, hidden] contiguous (updated in place and returned); rotations [rows,
+        1, head_dim / 2] complex; slots [rows] int64; block_tables [rows, max_blocks] and
+        context_lens [rows] int64, contiguous. The caller guarantees the shapes."""
+        pairs = torch.view_as_real(rotations).contiguous()
+        status = self._function(
+            ctypes.byref(self._model),
+            self._layers,
+            self._num_layers,
+            hidden.data_ptr(),
+            hidden.shape[0],
+            pairs.data_ptr(),
+            slots.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            block_tables.shape[1],
+        )
+        if status != 0:
+            raise MemoryError("the decode-layers kernel could not allocate its scratch memory")
+        return hidden
+
+
+def _projection(module: torch.nn.Module) -> _Projection:
+    weights = kernel_weights(module)
+    if weights is None:
+        raise ValueError(f"{module} is not a projection the small-batch kernel reads")
+    weight, scales, bias = weights
+    return _Projection(
+        weight=weight.data_ptr(),
+        scales=None if scales is None else scales.data_ptr(),
+        bias=None if bias is None else bias.data_ptr(),
+    )
+
+
+def expressible(model: torch.nn.Module) -> bool:
+    """Whether decode_layers.c computes this model's layers: Llama-family layers without a
+    per-head Q/K norm, every projection one the small-batch kernel reads."""
+    if not isinstance(model, LlamaModel):
+        return False
+    layers = model.decoder_layers()
+    return len(layers) == len(model.layers) and all(
+        layer.q_norm is None
+        and all(
+            kernel_weights(m) is not None
+            for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        )
+        for layer in layers
+        if isinstance(layer, LlamaLayer)
+    )
+
+
+@functools.cache
+def decode_layers_library() -> ctypes.CDLL:
+    """kernels/decode_layers.c, compiled on first use (KernelUnavailable when it cannot be)."""
+    return load_library("decode_layers")
