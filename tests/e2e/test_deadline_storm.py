@@ -43,6 +43,8 @@ STORM_EXTRA_WAVES = 4
 IN_FLIGHT = "12"
 """The gateway's limit: the rest of a wave waits (or is shed) at the gateway."""
 PRIORITIES = ("interactive", "batch")
+LAST_WRITE_MARGIN_S = 0.05
+"""A Cancel due this close to the call's deadline is not written (the deadline ends it)."""
 ACCEPTABLE_CODES = {
     grpc.StatusCode.OK,
     grpc.StatusCode.DEADLINE_EXCEEDED,  # the deadline passed before the first token
@@ -145,10 +147,15 @@ async def one_call(
                 events.append(event)
 
     reader = asyncio.ensure_future(read())
+    started = time.monotonic()
     if ending != "deadline":
         await asyncio.wait({reader}, timeout=after_s)
         if ending == "cancel":
-            outbox.put_nowait(gateway_pb2.GenerateClientMessage(cancel=common_pb2.Cancel()))
+            # Not in the call's last moments: a write that grpc's core fails because the call
+            # just ended (its own deadline) makes grpc aio set the call's status to INTERNAL on
+            # this side (_write: set_internal_error), whatever the gateway answered.
+            if time.monotonic() - started < deadline_s - LAST_WRITE_MARGIN_S:
+                outbox.put_nowait(gateway_pb2.GenerateClientMessage(cancel=common_pb2.Cancel()))
         else:
             call.cancel()
     await reader
