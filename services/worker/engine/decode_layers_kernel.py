@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import TypeGuard
 
 import torch
 
@@ -21,7 +22,7 @@ from services.worker.engine.attention import LayerKvCache
 from services.worker.engine.decode_kernel import DecodeKernel
 from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import SmallBatchLinear, kernel_weights
-from services.worker.engine.models.llama import LlamaLayer, LlamaModel
+from services.worker.engine.models.llama import LlamaModel
 from services.worker.engine.rope_store_kernel import RopeStoreKernel
 
 _POINTER = ctypes.c_void_p
@@ -152,7 +153,7 @@ def _projection(module: torch.nn.Module) -> _Projection:
     )
 
 
-def expressible(model: torch.nn.Module) -> bool:
+def expressible(model: torch.nn.Module) -> TypeGuard[LlamaModel]:
     """Whether decode_layers.c computes this model's layers: Llama-family layers without a
     per-head Q/K norm, every projection one the small-batch kernel reads."""
     if not isinstance(model, LlamaModel):
@@ -165,7 +166,6 @@ def expressible(model: torch.nn.Module) -> bool:
             for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         )
         for layer in layers
-        if isinstance(layer, LlamaLayer)
     )
 
 

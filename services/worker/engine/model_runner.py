@@ -34,12 +34,7 @@ from services.worker.engine.kernel_build import KernelUnavailable
 from services.worker.engine.linear_kernel import SmallBatchLinear, place_weights
 from services.worker.engine.loader import LoadedModel, dtype_name
 from services.worker.engine.models import StepInterrupted
-from services.worker.engine.models.llama import (
-    LlamaModel,
-    ModelConfig,
-    Project,
-    project_with_torch,
-)
+from services.worker.engine.models.llama import ModelConfig, Project, project_with_torch
 from services.worker.engine.prefill_kernel import PrefillKernel
 from services.worker.engine.rope_store_kernel import RopeStoreKernel
 
@@ -128,7 +123,7 @@ class ModelRunner:
     ) -> DecodeLayers | None:
         if linear is None or rope_store is None or attention is None:
             return None
-        if not isinstance(self.model, LlamaModel) or not expressible(self.model):
+        if not expressible(self.model):
             return None
         try:
             library = decode_layers_library()

@@ -103,18 +103,17 @@ static inline vec partial_dot(const float *q, const float *k, int64_t vectors) {
 
 static void softmax_in_place(float *restrict scores, int64_t n) {
     /* The maximum in vectors: a scalar running max is one dependent compare a score. */
-    vec top = {0};
+    float max = -FLT_MAX, sum = 0.f;
     int64_t t = 0;
     if (n >= LANES) {
-        top = load(scores);
+        vec top = load(scores);
         for (t = LANES; t + LANES <= n; t += LANES) {
             const vec v = load(scores + t);
             const lane_index greater = v > top; /* all ones where v is greater */
             top = (vec)(((lane_index)v & greater) | ((lane_index)top & ~greater));
         }
+        for (int lane = 0; lane < LANES; lane++) max = top[lane] > max ? top[lane] : max;
     }
-    float max = n >= LANES ? top[0] : -FLT_MAX, sum = 0.f;
-    for (int lane = 1; lane < LANES && n >= LANES; lane++) max = top[lane] > max ? top[lane] : max;
     for (; t < n; t++) max = scores[t] > max ? scores[t] : max;
 #pragma omp simd reduction(+ : sum)
     for (int64_t u = 0; u < n; u++) {
@@ -152,15 +151,9 @@ static void row_scores(const Row *row, const float *q, const float *key_cache, f
                 const float *qh = q + h * dim;
                 const float *kh = keys + ((row->head0 + h) / row->group) * dim;
                 vec partial[LANES];
-                if (count == LANES) {
-#pragma GCC unroll 16
-                    for (int j = 0; j < LANES; j++)
-                        partial[j] = partial_dot(qh, kh + j * row->token_stride, vectors);
-                } else {
-                    for (int j = 0; j < LANES; j++)
-                        partial[j] = j < count ? partial_dot(qh, kh + j * row->token_stride, vectors)
-                                               : (vec){0};
-                }
+                for (int j = 0; j < LANES; j++)
+                    partial[j] = j < count ? partial_dot(qh, kh + j * row->token_stride, vectors)
+                                           : (vec){0};
                 store(sums, lane_sums(partial));
                 float *out = scores + h * n + start + i - row->first;
                 for (int64_t j = 0; j < count; j++) {
