@@ -357,12 +357,60 @@ def _set_tools(
 
 
 @dataclass(slots=True)
-class _Progress:
+class GenerationRecord:
+    """What one generation's events said so far; its result once Finished arrived.
+
+    The gateway's events as the SDK's Chunks and GenerationResult, for any reader of them (this
+    module's stream of a gRPC call, the gateway's own HTTP door)."""
+
     started: common_pb2.Started | None = None
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finished: common_pb2.Finished | None = None
+
+    def record(self, event: common_pb2.GenerateEvent) -> Chunk | None:
+        """Notes one event; the chunk when it was one."""
+        kind = event.WhichOneof("event")
+        if kind == "started":
+            self.started = event.started
+        elif kind == "chunk":
+            logprobs = tuple(TokenLogprob.from_proto(e) for e in event.chunk.logprobs)
+            self.token_ids.extend(event.chunk.token_ids)
+            self.text.append(event.chunk.text)
+            self.logprobs.extend(logprobs)
+            return Chunk(event.chunk.text, tuple(event.chunk.token_ids), logprobs)
+        elif kind == "finished":
+            self.finished = event.finished
+        return None
+
+    def result(self) -> GenerationResult:
+        """The finished generation (raises RuntimeError before Finished arrived)."""
+        finished = self.finished
+        if finished is None:
+            raise RuntimeError("the stream has not finished yet")
+        started = self.started or common_pb2.Started()
+        return GenerationResult(
+            text="".join(self.text),
+            token_ids=list(self.token_ids),
+            finish_reason=common_pb2.FinishReason.Name(finished.finish_reason)
+            .removeprefix("FINISH_REASON_")
+            .lower(),
+            model=started.model,
+            request_id=started.request_id,
+            usage=UsageInfo.from_proto(finished.usage),
+            fallback=started.placement.fallback,
+            logprobs=list(self.logprobs),
+            queue_ms=finished.timings.queue_ms,
+            ttft_ms=finished.timings.ttft_ms if finished.timings.HasField("ttft_ms") else None,
+            e2e_ms=finished.timings.e2e_ms,
+            placement_reason=started.placement.reason,
+            error_message=finished.error_message,
+            tool_calls=[
+                ToolCallInfo(call.id, call.name, call.arguments_json)
+                for call in finished.tool_calls
+            ],
+        )
 
 
 class GenerationStream:
@@ -383,7 +431,7 @@ class GenerationStream:
         self._metadata = tuple(metadata)
         self._deadline_s = deadline_s
         self._call: Any = None
-        self._progress = _Progress()
+        self._progress = GenerationRecord()
 
     async def _start(self) -> Any:
         # Written message by message (no request iterator): a stream nobody references any
@@ -428,23 +476,14 @@ class GenerationStream:
             event = await call.read()
             if event is grpc.aio.EOF:
                 raise Internal("the gateway ended the stream without a Finished event")
-            kind = event.WhichOneof("event")
-            if kind == "started":
-                self._progress.started = event.started
-            elif kind == "chunk":
-                logprobs = tuple(TokenLogprob.from_proto(e) for e in event.chunk.logprobs)
-                self._progress.token_ids.extend(event.chunk.token_ids)
-                self._progress.text.append(event.chunk.text)
-                self._progress.logprobs.extend(logprobs)
-                return Chunk(event.chunk.text, tuple(event.chunk.token_ids), logprobs)
-            elif kind == "finished":
-                self._progress.finished = event.finished
+            chunk = self._progress.record(event)
+            if event.WhichOneof("event") == "finished":
                 # Half-closed (the gateway waits for that, or a Cancel, before it ends the
                 # call); then the call's status, so closing the stream now cancels nothing.
                 with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
                     await call.done_writing()
                 await call.read()
-            return None
+            return chunk
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from None
 
@@ -478,32 +517,7 @@ class GenerationStream:
     @property
     def result(self) -> GenerationResult:
         """The finished generation (raises RuntimeError before the stream has ended)."""
-        progress = self._progress
-        finished = progress.finished
-        if finished is None:
-            raise RuntimeError("the stream has not finished yet")
-        started = progress.started or common_pb2.Started()
-        return GenerationResult(
-            text="".join(progress.text),
-            token_ids=list(progress.token_ids),
-            finish_reason=common_pb2.FinishReason.Name(finished.finish_reason)
-            .removeprefix("FINISH_REASON_")
-            .lower(),
-            model=started.model,
-            request_id=started.request_id,
-            usage=UsageInfo.from_proto(finished.usage),
-            fallback=started.placement.fallback,
-            logprobs=list(progress.logprobs),
-            queue_ms=finished.timings.queue_ms,
-            ttft_ms=finished.timings.ttft_ms if finished.timings.HasField("ttft_ms") else None,
-            e2e_ms=finished.timings.e2e_ms,
-            placement_reason=started.placement.reason,
-            error_message=finished.error_message,
-            tool_calls=[
-                ToolCallInfo(call.id, call.name, call.arguments_json)
-                for call in finished.tool_calls
-            ],
-        )
+        return self._progress.result()
 
 
 class Client:
