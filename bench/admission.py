@@ -126,7 +126,8 @@ async def start_mesh(args: argparse.Namespace, state: Path) -> Mesh:
         supervisor, "cache-redis", "services.cache",
         ["--redis", REDIS_URL, "--key-prefix", prefix],
     )  # fmt: skip
-    common = ["--router", router, "--model-path", f"{args.tier}={args.model}"]
+    # Several gateways on one machine, called over gRPC only: no HTTP door.
+    common = ["--router", router, "--model-path", f"{args.tier}={args.model}", "--http-port", "-1"]
     gateways = {}
     for limit in args.batch_max_in_flight:
         gateways[limit] = await start(

@@ -123,7 +123,7 @@ async def kvmesh_runs(
     import asyncio
 
     async with running_stack(args, port_offset=1200, mode=args.mode) as services:
-        door = f"http://{next(s for s in services if s.http).address}"
+        door = f"http://{next(s for s in services if s.http_address).http_address}"
         runs = {}
         for backend in BACKENDS:
             console.print(f"kvmesh door, {backend} ...")

@@ -36,7 +36,6 @@ def compose_certificates(folder: Path) -> list[str]:
         )
         # compose runs split prefill and decode pools, not kvmesh up's colocated default
         for service in plan_stack(StackOptions(mode="disaggregated", host="0.0.0.0"))
-        if not service.http
     }
     operator = certificate_name(MeshRole.OPERATOR, OPERATOR_MEMBER_NAME)
     wanted[OPERATOR_MEMBER_NAME] = (operator, list(LOCAL_HOSTS))

@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,9 +274,16 @@ class GrpcServer:
     tls: TlsFiles | None = None
     """Serve over TLS with this certificate; an internal service (one with a guard) also asks
     every caller for a certificate signed by the stack's CA."""
+    ready_extras: Mapping[str, object] = field(default_factory=dict)
+    """More of the service's ports for its ready line (the gateway's http_port)."""
     _server: grpc.aio.Server | None = None
     _health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def serving(self) -> bool:
+        """Started and not stopping: what its health service answers SERVING for."""
+        return self._server is not None and not self._stopping.is_set()
 
     @property
     def address(self) -> str:
@@ -366,6 +373,7 @@ class GrpcServer:
             "address": self.address,
             "port": self.port,
             "metrics_port": self.metrics_port,
+            **self.ready_extras,
         }
         return READY_PREFIX + json.dumps(info)
 

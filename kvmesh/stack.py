@@ -25,7 +25,6 @@ OPENAI_HTTP_PORT = 8000
 GATEWAY_METRICS_PORT = 9451
 ROUTER_METRICS_PORT = 9452
 CACHE_METRICS_PORT = 9453
-OPENAI_HTTP_METRICS_PORT = 9454
 FIRST_WORKER_METRICS_PORT = 9461
 
 WORKER_GRACE_S = 30.0
@@ -66,7 +65,7 @@ class StackOptions:
     gateway_port: int = GATEWAY_PORT
     """Port of the admission gateway, the stack's front door."""
     http_port: int = OPENAI_HTTP_PORT
-    """Port of the OpenAI-compatible HTTP door in front of the gateway."""
+    """Port of the gateway's OpenAI-compatible HTTP door."""
     port_offset: int = 0
     """Added to every other gRPC and metrics port, to run a second stack beside the first."""
     tenants: Path | None = None
@@ -112,8 +111,8 @@ class StackService:
     """Prometheus port."""
     role: str = ""
     """Worker role (prefill, decode, colocated); empty for other services."""
-    http: bool = False
-    """It serves HTTP (the OpenAI door), not gRPC."""
+    http_port: int | None = None
+    """Port of its OpenAI-compatible HTTP door (the gateway's); None: it serves none."""
     env: tuple[tuple[str, str], ...] = ()
     """Environment variables it starts with, unless the caller's environment sets them."""
 
@@ -123,14 +122,19 @@ class StackService:
         return f"{self.host}:{self.port}"
 
     @property
-    def url(self) -> str:
-        """How a client reaches it: host:port for gRPC, the API's base URL for HTTP."""
-        return f"http://{self.address}/v1" if self.http else self.address
+    def http_address(self) -> str | None:
+        """host:port of its HTTP door, if it serves one."""
+        return None if self.http_port is None else f"{self.host}:{self.http_port}"
+
+    @property
+    def openai_url(self) -> str | None:
+        """The OpenAI API's base URL, if it serves one."""
+        address = self.http_address
+        return None if address is None else f"http://{address}/v1"
 
     def healthcheck(self, host: str = "127.0.0.1") -> list[str]:
         """The `python -m kvmesh.healthcheck` argv that probes it on `host`."""
-        probe = ["--http"] if self.http else []
-        return ["python", "-m", "kvmesh.healthcheck", *probe, f"{host}:{self.port}"]
+        return ["python", "-m", "kvmesh.healthcheck", f"{host}:{self.port}"]
 
     def command(self, python: str) -> list[str]:
         """The argv that starts it."""
@@ -189,23 +193,18 @@ def tls_folder(state_dir: Path) -> Path:
     return state_dir / "secrets" / "tls"
 
 
-def tls_args(
-    options: StackOptions, file_name: str, own_certificate: bool = True
-) -> tuple[str, ...]:
-    """The TLS flags of the service whose certificate is FILE_NAME.pem (none without --tls);
-    without `own_certificate` only the CA (a client of the gateway)."""
+def tls_args(options: StackOptions, file_name: str) -> tuple[str, ...]:
+    """The TLS flags of the service whose certificate is FILE_NAME.pem (none without --tls)."""
     if not options.tls:
         return ()
     folder = tls_folder(options.state_dir)
-    ca = ("--tls-ca-file", str(folder / CA_CERT))
-    if not own_certificate:
-        return ca
     return (
         "--tls-cert-file",
         str(folder / f"{file_name}.pem"),
         "--tls-key-file",
         str(folder / f"{file_name}-key.pem"),
-        *ca,
+        "--tls-ca-file",
+        str(folder / CA_CERT),
     )
 
 
@@ -281,7 +280,8 @@ def write_pools_file(options: StackOptions, workers: list[StackService]) -> Path
 
 
 def plan_stack(options: StackOptions) -> list[StackService]:
-    """Every process, in start order: cache, workers, router, gateway, OpenAI HTTP door."""
+    """Every process, in start order: cache, workers, router, gateway (with the OpenAI HTTP
+    door)."""
     host = options.host
     offset = options.port_offset
     cache_port, cache_metrics = CACHE_PORT + offset, CACHE_METRICS_PORT + offset
@@ -323,6 +323,8 @@ def plan_stack(options: StackOptions) -> list[StackService]:
         str(options.gateway_port),
         "--metrics-port",
         str(gateway_metrics),
+        "--http-port",
+        str(options.http_port),
     ]
     if options.tenants is not None:
         gateway_args += ["--tenants", str(options.tenants)]
@@ -338,24 +340,6 @@ def plan_stack(options: StackOptions) -> list[StackService]:
         host,
         options.gateway_port,
         gateway_metrics,
+        http_port=options.http_port,
     )
-    openai_http = StackService(
-        "openai",
-        "services.openai_http",
-        (
-            "--gateway",
-            gateway.address,
-            "--host",
-            host,
-            "--port",
-            str(options.http_port),
-            "--metrics-port",
-            str(OPENAI_HTTP_METRICS_PORT + offset),
-            *tls_args(options, "openai", own_certificate=False),
-        ),
-        host,
-        options.http_port,
-        OPENAI_HTTP_METRICS_PORT + offset,
-        http=True,
-    )
-    return [cache, *workers, router, gateway, openai_http]
+    return [cache, *workers, router, gateway]

@@ -76,7 +76,10 @@ class Supervisor:
     def check_ports(self, services: Sequence[StackService]) -> None:
         """StartupError naming the first service whose ports are taken."""
         for service in services:
-            for kind, port in (("gRPC", service.port), ("metrics", service.metrics_port)):
+            ports = [("gRPC", service.port), ("metrics", service.metrics_port)]
+            if service.http_port is not None:
+                ports.append(("HTTP", service.http_port))
+            for kind, port in ports:
                 if port > 0 and port_in_use(service.host, port):
                     raise StartupError(
                         f"{service.name}: {kind} port {service.host}:{port} is already in use"

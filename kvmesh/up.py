@@ -74,9 +74,8 @@ ROLE_PROTO = {
 
 
 def start_waves(services: list[StackService]) -> list[list[StackService]]:
-    """Cache and workers first (they depend on nothing), then the router, then the gateway,
-    then the OpenAI HTTP door in front of it."""
-    later = ("router", "gateway", "openai")
+    """Cache and workers first (they depend on nothing), then the router, then the gateway."""
+    later = ("router", "gateway")
     first = [s for s in services if s.name not in later]
     return [first, *([s for s in services if s.name == name] for name in later)]
 
@@ -99,7 +98,10 @@ def summary(services: list[StackService]) -> Table:
         table.add_column(column)
     for service in services:
         name = f"{service.name} ({service.role})" if service.role else service.name
-        table.add_row(name, service.module, service.url, f"{service.host}:{service.metrics_port}")
+        address = service.address
+        if service.openai_url is not None:
+            address += f", OpenAI API {service.openai_url}"
+        table.add_row(name, service.module, address, f"{service.host}:{service.metrics_port}")
     return table
 
 
@@ -191,8 +193,7 @@ def issue_certificates(options: StackOptions, services: list[StackService]) -> N
     authority = StackAuthority.open(tls_folder(options.state_dir))
     hosts = sorted({options.host, "127.0.0.1", "localhost"} - {"0.0.0.0"})
     for service in services:
-        if not service.http:  # the OpenAI door only dials the gateway: the CA is enough
-            authority.issue(service.name, certificate_subject(service), hosts)
+        authority.issue(service.name, certificate_subject(service), hosts)
     authority.issue("operator", certificate_name(MeshRole.OPERATOR, OPERATOR_MEMBER_NAME), hosts)
 
 
@@ -286,9 +287,8 @@ async def run_up(options: StackOptions, trace_file: Path | None, console: Consol
         addresses = {"gateway": gateway.address, "router": stack.router.address}
         write_stack_file(options.state_dir, addresses)
         console.print(summary(stack.services))
-        door = next(s for s in stack.services if s.http)
         console.print(
-            f"[bold green]gateway ready at {gateway.address}, OpenAI API at {door.url}[/]"
+            f"[bold green]gateway ready at {gateway.address}, OpenAI API at {gateway.openai_url}[/]"
         )
         console.print(f"try: {try_command(gateway.address, options)}", markup=False)
         return await wait_for_stop_or_crash(stack, stop)

@@ -38,6 +38,13 @@ class ServiceProcess:
     port: int
     metrics_port: int | None
     output: list[str] = field(default_factory=list)
+    http_port: int | None = None
+    """The gateway's OpenAI HTTP door, when it serves one."""
+
+    @property
+    def http_address(self) -> str:
+        assert self.http_port is not None, f"{self.name} serves no HTTP door"
+        return f"{self.address.rsplit(':', 1)[0]}:{self.http_port}"
 
     def terminate(self, timeout: float = 15.0) -> int:
         """SIGTERM, then wait; kills and fails loudly if it does not exit in time."""
@@ -102,7 +109,7 @@ def start_service(
         proc.wait()
         raise RuntimeError(f"{module} did not become ready:\n{''.join(output)}")
     info = ready[0]
-    metrics = info.get("metrics_port")
+    metrics, http = info.get("metrics_port"), info.get("http_port")
     started = ServiceProcess(
         name=module,
         proc=proc,
@@ -110,6 +117,7 @@ def start_service(
         port=int(str(info["port"])),
         metrics_port=int(str(metrics)) if metrics is not None else None,
         output=output,
+        http_port=int(str(http)) if http is not None else None,
     )
     STARTED.append(started)
     return started

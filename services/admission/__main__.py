@@ -6,7 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvmesh.config import load_config
 from kvmesh.grpc_server import (
@@ -19,7 +19,9 @@ from kvmesh.grpc_server import (
 from kvmesh.tls import tls_of
 from kvmesh.v1 import gateway_pb2_grpc
 from services.admission.config import AdmissionConfig
-from services.admission.gateway import REQUEST_LOG
+from services.admission.gateway import REQUEST_LOG, Gateway
+from services.admission.openai_http.app import Door
+from services.admission.openai_http.listener import HttpListener
 from services.admission.servicer import SERVICE_NAME, GatewayServicer
 from services.admission.wiring import build_gateway
 
@@ -43,8 +45,21 @@ def local_only(config: AdmissionConfig) -> AdmissionConfig:
     return config
 
 
+def http_door(
+    config: AdmissionConfig, gateway: Gateway, serving: Callable[[], bool]
+) -> HttpListener | None:
+    """The OpenAI door, a second listener on the same Gateway (None with --http-port -1): an
+    HTTP request is admitted by a call in this process, not a gRPC call to the gateway
+    (docs/openai_http.md, "Why a listener of the gateway")."""
+    if config.http_port < 0:
+        return None
+    door = Door(gateway, serving, config.http_max_prompts)
+    return HttpListener(door, config.host, config.http_port, config.grace_s, config.log_level)
+
+
 async def run(config: AdmissionConfig) -> None:
     assembly = build_gateway(config)
+    http = http_door(config, assembly.gateway, lambda: server.serving)
     server = GrpcServer(
         config,
         "admission",
@@ -55,9 +70,14 @@ async def run(config: AdmissionConfig) -> None:
                 gateway_pb2_grpc.add_GatewayServicer_to_server,
             )
         ],
-        on_stop=assembly.on_stop,
+        # The door stops once the gRPC server has drained, before the hooks that close what
+        # the gateway's requests use.
+        on_stop=[*([http.stop] if http else []), *assembly.on_stop],
         tls=tls_of(config),  # its clients verify it with the CA; they show no certificate
+        ready_extras={"http_port": http.port} if http else {},
     )
+    if http is not None:
+        await http.start()
     warm = asyncio.ensure_future(assembly.gateway.catalog.warm_up())
     await serve(server)
     warm.cancel()

@@ -20,6 +20,12 @@ class AdmissionConfig(ServerConfig):
     """gRPC port of the gateway; 0 picks a free one."""
     metrics_port: int = 9451
     """Prometheus metrics HTTP port; 0 picks a free one, -1 disables the endpoint."""
+    http_port: int = 8000
+    """Port of the OpenAI-compatible HTTP door (POST /v1/chat/completions and /v1/completions,
+    GET /v1/models and /health; docs/openai_http.md), served by this process on --host; 0
+    picks a free one, -1 serves none."""
+    http_max_prompts: int = 32
+    """Most prompts in one HTTP /v1/completions request (each is its own request)."""
     router: str = "127.0.0.1:50052"
     """Address (host:port) of the router that places requests."""
     cache: str = ""

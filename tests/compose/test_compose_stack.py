@@ -32,6 +32,7 @@ import pytest
 import yaml
 
 import kvmesh
+from kvmesh.healthcheck import TLS_ENV_PREFIX
 from kvmesh.stack import StackOptions, plan_stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -469,11 +470,19 @@ def test_with_tls_a_client_without_the_ca_is_refused(stack: ComposeStack) -> Non
     assert "unavailable" in str(raised.value).lower()
 
 
-def probe_from(stack: ComposeStack, service: str, target: str, *flags: str) -> int:
-    """The health probe of `target` run inside `service`'s container: its exit status."""
-    command = ["podman", "exec", stack.container(service), "python", "-m", "kvmesh.healthcheck"]
+def probe_from(
+    stack: ComposeStack, service: str, target: str, *flags: str, own_files: bool = True
+) -> int:
+    """The health probe of `target` run inside `service`'s container: its exit status. Without
+    `own_files` the probe holds none of the TLS files the container's variables name (only
+    those `flags` name)."""
+    unset = [f"{TLS_ENV_PREFIX}TLS_{name}_FILE" for name in ("CERT", "KEY", "CA")]
+    bare = [] if own_files else ["env", *(f"--unset={variable}" for variable in unset)]
+    command = ["podman", "exec", stack.container(service), *bare, "python", "-m"]
     probe = subprocess.run(
-        [*command, target, "--timeout-s", "3", *flags], env=PODMAN_ENV, capture_output=True
+        [*command, "kvmesh.healthcheck", target, "--timeout-s", "3", *flags],
+        env=PODMAN_ENV,
+        capture_output=True,
     )
     return probe.returncode
 
@@ -482,15 +491,15 @@ def test_with_tls_internal_ports_take_only_a_certificate_of_the_stack(
     stack: ComposeStack,
 ) -> None:
     """The router inside the compose network: the gateway's container reaches it with its own
-    certificate (its health check's variables); the OpenAI door's, holding only the CA, and a
-    plaintext caller do not get through the handshake."""
+    certificate (its health check's variables); a caller there holding only the CA, and a
+    plaintext one, do not get through the handshake."""
     if stack.ca_file is None:
         pytest.skip("the plaintext stack")
     router = next(f"{s.name}:{s.port}" for s in PLAN if s.name == "router")
     assert probe_from(stack, "gateway", router) == 0
     ca_only = ("--tls-ca-file", "/etc/kvmesh/tls/ca.pem")
-    assert probe_from(stack, "openai", router, *ca_only) == 1
-    assert probe_from(stack, "openai", router) == 1
+    assert probe_from(stack, "gateway", router, *ca_only, own_files=False) == 1
+    assert probe_from(stack, "gateway", router, own_files=False) == 1
 
 
 def test_down_leaves_nothing_behind(stack: ComposeStack) -> None:

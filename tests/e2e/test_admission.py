@@ -79,6 +79,7 @@ def free_port() -> int:
 
 
 def gateway_args(mesh_router: str, model_dir: Path, *extra: str) -> list[str]:
+    """A gateway on free ports, called over gRPC only (no HTTP door: several run at once)."""
     return [
         "--router",
         mesh_router,
@@ -88,6 +89,8 @@ def gateway_args(mesh_router: str, model_dir: Path, *extra: str) -> list[str]:
         "0",
         "--metrics-port",
         "0",
+        "--http-port",
+        "-1",
         *extra,
     ]
 

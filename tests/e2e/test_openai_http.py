@@ -1,11 +1,11 @@
-"""The OpenAI HTTP door in front of a real gateway, router, cache and worker (subprocesses).
+"""The gateway's OpenAI HTTP door, with a real router, cache and worker (subprocesses).
 
 One mesh per module on the tiny random Llama: a colocated worker, the router, the response
-cache, a gateway with a tenants file, and the door; a second tier, `caller`, is the tiny model
-that always wants to call a tool (tests/conftest.py) on a worker whose grammar backend is
+cache, and a gateway with a tenants file serving the door; a second tier, `caller`, is the tiny
+model that always wants to call a tool (tests/conftest.py) on a worker whose grammar backend is
 llguidance, so tool_choice auto meets its trigger and both backends serve through the mesh.
-The official `openai` SDK and raw httpx talk to the door; the kvmesh SDK talks to the gateway
-beside it, and both must agree token for token.
+The official `openai` SDK and raw httpx talk to the door; the kvmesh SDK talks to the same
+gateway over gRPC, and both must agree token for token.
 """
 
 from __future__ import annotations
@@ -49,12 +49,16 @@ class Mesh:
     worker: ServiceProcess
     caller: ServiceProcess
     gateway: ServiceProcess
-    door: ServiceProcess
     keys: dict[str, str]
 
     @property
+    def door(self) -> str:
+        """host:port of the gateway's HTTP door."""
+        return self.gateway.http_address
+
+    @property
     def base_url(self) -> str:
-        return f"http://{self.door.address}/v1"
+        return f"http://{self.door}/v1"
 
     def openai(self, tenant: str = "alice", **options: Any) -> openai.OpenAI:
         key = self.keys.get(tenant, tenant)
@@ -116,16 +120,13 @@ def mesh(
                 "--port",
                 "0",
                 "--metrics-port",
-                "-1",
+                "0",
+                "--http-port",
+                "0",
             ],
         )
         started.append(gateway)
-        door = start_service(
-            "services.openai_http",
-            ["--gateway", gateway.address, "--port", "0", "--metrics-port", "0"],
-        )
-        started.append(door)
-        running = Mesh(worker, caller, gateway, door, keys)
+        running = Mesh(worker, caller, gateway, keys)
         wait_until_served(running)
         yield running
     finally:
@@ -312,8 +313,8 @@ def test_a_repeated_prompt_reports_cached_tokens_and_cache_hits(mesh: Mesh) -> N
 
 
 def test_list_models_health_and_metrics(mesh: Mesh) -> None:
-    assert healthcheck(["--http", mesh.door.address]) == 0
-    metrics = httpx.get(f"http://127.0.0.1:{mesh.door.metrics_port}/metrics").text
+    assert healthcheck(["--http", mesh.door]) == 0
+    metrics = httpx.get(f"http://127.0.0.1:{mesh.gateway.metrics_port}/metrics").text
     assert 'kvmesh:http_responses_total{route="/v1/completions",status="200"}' in metrics
     models = {model.id: model for model in mesh.openai().models.list().data}
     assert sorted(models) == sorted([TIER, CALLER])
@@ -389,18 +390,22 @@ def test_errors_raise_the_sdks_exceptions(mesh: Mesh) -> None:
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_door_whose_gateway_is_down_is_unhealthy_and_answers_503() -> None:
-    door = start_service(
-        "services.openai_http", ["--gateway", "127.0.0.1:1", "--port", "0", "--metrics-port", "-1"]
+def test_a_gateway_whose_router_is_down_answers_503_and_its_door_says_its_health() -> None:
+    gateway = start_service(
+        "services.admission",
+        ["--router", "127.0.0.1:1", "--port", "0", "--metrics-port", "-1", "--http-port", "0"],
     )
     try:
-        assert healthcheck(["--http", door.address]) == 1
-        client = openai.OpenAI(base_url=f"http://{door.address}/v1", api_key="k", max_retries=0)
+        # The door's /health is the gateway's own gRPC health, which its router does not change.
+        assert healthcheck(["--http", gateway.http_address]) == healthcheck([gateway.address])
+        client = openai.OpenAI(
+            base_url=f"http://{gateway.http_address}/v1", api_key="k", max_retries=0
+        )
         with pytest.raises(openai.APIStatusError) as down:
             client.completions.create(model=TIER, prompt="hi", max_tokens=2)
         assert down.value.status_code == 503
     finally:
-        door.terminate()
+        gateway.terminate()
 
 
 def test_an_exhausted_budget_is_a_rate_limit_error_with_retry_after(mesh: Mesh) -> None:
@@ -598,7 +603,7 @@ def test_malformed_bodies_get_clear_400s_and_the_door_stays_healthy(mesh: Mesh) 
             assert error["message"] and error["type"] == "invalid_request_error"
 
         check()
-        assert http.get(f"http://{mesh.door.address}/health").status_code == 200
+        assert http.get(f"http://{mesh.door}/health").status_code == 200
     wait_until_idle(mesh, 5.0)
 
 

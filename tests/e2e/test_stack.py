@@ -554,8 +554,8 @@ def test_ctrl_c_stops_every_process(stack: RunningStack) -> None:
     children = subprocess.run(
         ["ps", "-o", "pid=", "--ppid", str(stack.proc.pid)], capture_output=True, text=True
     ).stdout.split()
-    # cache, prefill-0, decode-0, router, gateway, openai (decode-1 drained)
-    assert len(children) == 6
+    # cache, prefill-0, decode-0, router, gateway (decode-1 drained)
+    assert len(children) == 5
     assert (stack.state_dir / "control.sock").exists()
     stack.reader.kill()  # Ctrl-C on `kvmesh up | tee log` ends tee first
     stack.reader.wait()

@@ -134,7 +134,8 @@ def test_compose_runs_the_services_of_kvmesh_up(compose: dict[str, Any]) -> None
 def test_same_module_flags_and_ports(compose: dict[str, Any], service: StackService) -> None:
     spec = compose[service.name]
     assert spec["command"] == expected_command(service)
-    assert spec["expose"] == [str(service.port), str(service.metrics_port)]
+    http = [] if service.http_port is None else [str(service.http_port)]
+    assert spec["expose"] == [str(service.port), str(service.metrics_port), *http]
     # One command line (CMD-SHELL): see docker-compose.yml's x-health.
     assert spec["healthcheck"]["test"] == shlex.join(service.healthcheck())
     assert spec["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == OTLP_ENDPOINT
@@ -142,14 +143,15 @@ def test_same_module_flags_and_ports(compose: dict[str, Any], service: StackServ
     assert spec["environment"].items() >= dict(service.env).items()
 
 
-def test_gateway_and_openai_door_are_published_on_their_ports(compose: dict[str, Any]) -> None:
+def test_gateway_and_its_openai_door_are_published_on_their_ports(compose: dict[str, Any]) -> None:
     """On kvmesh up's ports unless KVMESH_GATEWAY_PORT / KVMESH_HTTP_PORT name others."""
     gateway = next(service for service in PLAN if service.name == "gateway")
-    port = f"${{KVMESH_GATEWAY_PORT:-{COMPOSE_OPTIONS.gateway_port}}}"
-    assert compose[gateway.name]["ports"] == [f"127.0.0.1:{port}:{gateway.port}"]
-    door = next(service for service in PLAN if service.http)
-    port = f"${{KVMESH_HTTP_PORT:-{COMPOSE_OPTIONS.http_port}}}"
-    assert compose[door.name]["ports"] == [f"127.0.0.1:{port}:{door.port}"]
+    grpc = f"${{KVMESH_GATEWAY_PORT:-{COMPOSE_OPTIONS.gateway_port}}}"
+    http = f"${{KVMESH_HTTP_PORT:-{COMPOSE_OPTIONS.http_port}}}"
+    assert compose[gateway.name]["ports"] == [
+        f"127.0.0.1:{grpc}:{gateway.port}",
+        f"127.0.0.1:{http}:{gateway.http_port}",
+    ]
 
 
 def test_the_offline_override_names_real_services_and_overrides_no_list(
@@ -200,9 +202,6 @@ def test_the_mesh_secret_is_made_once_and_mounted_where_the_flag_points(
     assert maker["command"] == ["python", "-m", "kvmesh.mesh_keys", str(secret)]
     assert maker["volumes"] == [f"mesh-secrets:{secret.parent}"]
     spec = compose[service.name]
-    if "--mesh-secret-file" not in service.args:  # the OpenAI door: a client of the gateway
-        assert "mesh-secret" not in spec.get("depends_on", {})
-        return
     assert f"mesh-secrets:{secret.parent}:ro" in spec["volumes"]
     assert spec["depends_on"]["mesh-secret"] == {"condition": "service_completed_successfully"}
 
@@ -236,7 +235,6 @@ def test_dependencies_wait_for_health(compose: dict[str, Any]) -> None:
             assert rule == {"condition": wanted}, f"{name} -> {target}"
     assert set(compose["gateway"]["depends_on"]) >= {"redis", "cache", "router"}
     assert set(compose["cache"]["depends_on"]) >= {"redis"}
-    assert set(compose["openai"]["depends_on"]) >= {"gateway"}
 
 
 @pytest.mark.parametrize("worker", WORKERS, ids=lambda s: s.name)
@@ -321,7 +319,7 @@ def test_only_the_front_doors_and_dashboards_are_published_and_on_loopback(
     """Internal gRPC and metrics ports stay on the compose network (expose, never ports);
     what is published binds the host's 127.0.0.1 only (issue 15.4)."""
     published = {name: spec["ports"] for name, spec in compose.items() if spec.get("ports")}
-    assert set(published) == {"gateway", "openai", "jaeger", "prometheus", "grafana"}
+    assert set(published) == {"gateway", "jaeger", "prometheus", "grafana"}
     for name, ports in published.items():
         assert all(str(port).startswith("127.0.0.1:") for port in ports), name
 
@@ -381,8 +379,7 @@ def test_the_tls_override_gives_each_service_kvmesh_up_tls_files(
             key.replace(env_var(config_class(service.module), ""), "KVMESH_HEALTHCHECK_"): value
             for key, value in expected.items()
         }
-        wanted = expected if service.http else {**expected, **probe}
-        assert override["environment"] == wanted, name
+        assert override["environment"] == {**expected, **probe}, name
         assert override["volumes"] == [
             f"${{KVMESH_TLS_DIR:-./.kvmesh/compose-tls}}:{COMPOSE_TLS_DIR}:ro"
         ]
@@ -435,8 +432,6 @@ def test_the_tls_certs_step_issues_every_file_the_services_read(
     }
     assert read <= {path.name for path in tmp_path.iterdir()}
     for service in TLS_PLAN:
-        if service.http:
-            continue
         cert = x509.load_pem_x509_certificate((tmp_path / f"{service.name}.pem").read_bytes())
         [common_name] = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         in_compose = f"{service.name}:{service.port}" if service.role else service.name

@@ -31,7 +31,6 @@ ENTRY_POINTS = [
     "services.admission.__main__",
     "services.cache.__main__",
     "services.router.__main__",
-    "services.openai_http.__main__",
     "services.worker.config",
     "services.worker.engine.api",
     "services.worker.engine.config",

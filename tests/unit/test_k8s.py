@@ -29,7 +29,6 @@ from kvmesh.stack import WORKER_GRACE_S, StackOptions, StackService, plan_stack,
 from kvmesh.tenants import hash_key, load_tenants
 from services.admission.config import AdmissionConfig
 from services.cache.config import CacheConfig
-from services.openai_http.config import OpenAIHttpConfig
 from services.router import metrics as router_metrics
 from services.router.config import RouterConfig
 from services.router.discovery import dns_target
@@ -50,7 +49,6 @@ KUBERNETES_VERSION = kubernetes_validate.latest_version()
 CONFIGS: dict[str, type[ServerConfig]] = {
     "services.admission": AdmissionConfig,
     "services.cache": CacheConfig,
-    "services.openai_http": OpenAIHttpConfig,
     "services.router": RouterConfig,
     "services.worker": WorkerConfig,
 }
@@ -161,13 +159,15 @@ def test_same_module_flags_ports_and_probes(overlay: str, service: StackService)
     spec = container(deployment)
     expected = ["python", "-m", service.module, *(in_cluster(overlay, a) for a in service.args)]
     assert spec["command"] == expected
-    assert [p["containerPort"] for p in spec["ports"]] == [service.port, service.metrics_port]
+    http = [] if service.http_port is None else [service.http_port]
+    assert [p["containerPort"] for p in spec["ports"]] == [
+        service.port,
+        service.metrics_port,
+        *http,
+    ]
     for probe in ("startupProbe", "readinessProbe"):
-        if service.http:
-            assert spec[probe]["httpGet"] == {"path": "/health", "port": service.port}
-        else:
-            # The standard gRPC health service, the whole server ("" service).
-            assert spec[probe]["grpc"] == {"port": service.port}
+        # The standard gRPC health service, the whole server ("" service).
+        assert spec[probe]["grpc"] == {"port": service.port}
     liveness = spec["livenessProbe"]
     assert liveness.get("grpc", liveness.get("tcpSocket")) == {"port": service.port}
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
@@ -175,8 +175,8 @@ def test_same_module_flags_ports_and_probes(overlay: str, service: StackService)
         "prometheus.io/scrape": "true",
         "prometheus.io/port": str(service.metrics_port),
     }
-    (port,) = objects(overlay, "Service")[object_name(service)]["spec"]["ports"]
-    assert port["port"] == service.port
+    ports = objects(overlay, "Service")[object_name(service)]["spec"]["ports"]
+    assert [port["port"] for port in ports] == [service.port, *http]
     # Each variable the manifest sets is read by the service's config, and changes it.
     config, args = CONFIGS[service.module], spec["command"][3:]
     plain = load_config(config, args, {})
@@ -411,18 +411,21 @@ def test_network_policies_let_through_exactly_the_mesh_calls(overlay: str) -> No
     pools = {object_name(w) for w in workers(overlay)}
     pods = {name: pod_labels(overlay, name) for name in [*plan, "redis"]}
     ports = {name: service.port for name, service in plan.items()} | {"redis": 6379}
-    calls = {("gateway", "router"), ("gateway", "cache"), ("openai", "gateway")}
+    calls = {("gateway", "router"), ("gateway", "cache")}
     calls |= {("gateway", "redis"), ("cache", "redis")}
     calls |= {("router", pool) for pool in pools}
     if {"prefill", "decode"} <= pools:
         calls |= {("decode", "prefill")}  # the KV pull
     for source, target in [(s, t) for s in pods for t in pods if s != t]:
-        wanted = (source, target) in calls or target in {"gateway", "openai"}
+        wanted = (source, target) in calls or target == "gateway"
         got = allowed(overlay, Peer(pods[source]), pods[target], ports[target])
         assert got == wanted, f"{source} -> {target}:{ports[target]}: {got}, want {wanted}"
     outside = Peer({"app": "anything"}, namespace="default")
     for name, port in ports.items():
-        assert allowed(overlay, outside, pods[name], port) == (name in {"gateway", "openai"})
+        assert allowed(overlay, outside, pods[name], port) == (name == "gateway")
+    # The gateway's OpenAI HTTP door is a front door too, from anywhere.
+    door = plan["gateway"].http_port
+    assert door is not None and allowed(overlay, outside, pods["gateway"], door)
     prometheus = Peer({"app.kubernetes.io/name": "prometheus"}, namespace=MONITORING_NAMESPACE)
     for name, service in plan.items():
         assert allowed(overlay, prometheus, pods[name], service.metrics_port), name

@@ -12,7 +12,7 @@ METRIC_MODULES = (
     "services.cache.metrics",
     "services.router.metrics",
     "services.worker.metrics",
-    "services.openai_http.metrics",
+    "services.admission.openai_http.metrics",
     "kvmesh.grpc_server",
 )
 

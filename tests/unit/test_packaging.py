@@ -71,7 +71,6 @@ def test_every_imported_package_is_declared_where_it_is_used() -> None:
         ROOT / "services" / "admission": BASE,
         ROOT / "services" / "cache": BASE,
         ROOT / "services" / "router": BASE,
-        ROOT / "services" / "openai_http": BASE,
         ROOT / "services" / "worker": BASE | EXTRAS["worker"] | EXTRAS["vllm"],
     }
     undeclared = {

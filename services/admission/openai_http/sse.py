@@ -18,9 +18,9 @@ from pydantic import BaseModel
 
 from kvmesh.client import Chunk, GenerationResult
 from kvmesh.tool_format import free_text_end, split_answer
-from services.openai_http import schemas, translation
-from services.openai_http.generation import Event, Generation
-from services.openai_http.translation import Plan
+from services.admission.openai_http import schemas, translation
+from services.admission.openai_http.generation import Event, Generation
+from services.admission.openai_http.translation import Plan
 
 DONE = b"data: [DONE]\n\n"
 

@@ -1,25 +1,35 @@
-"""Runs the Generate calls of one plan on the gateway and merges their events in arrival order.
+"""Runs the requests of one plan on the gateway and merges their events in arrival order.
 
-Each choice is its own Generate call, through the kvmesh SDK with the caller's API key. The
-first sample of each prompt starts at once; the prompt's other samples start when its first
-token arrives, so their prefill finds the prompt's KV blocks in a worker's prefix cache.
-Closing the generation cancels every call still running, at every hop; so does the client going
-away (the awaitable `start` is given finishing first), and the events end with ClientGone.
+Each choice is its own request, run by the gateway's own admission (Gateway.generate, what its
+gRPC servicer calls) for the authenticated caller. The first sample of each prompt starts at
+once; the prompt's other samples start when its first token arrives, so their prefill finds the
+prompt's KV blocks in a worker's prefix cache. Closing the generation cancels every request
+still running, at every hop; so does the client going away (the awaitable `start` is given
+finishing first), and the events end with ClientGone. A request with a deadline ends with
+DeadlineExceeded when it passes, as gRPC ends a call whose deadline passed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
-import grpc
-
-from kvmesh.client import Chunk, Client, GenerationResult
+from kvmesh.client import Chunk, GenerationRecord, GenerationResult
 from kvmesh.errors import Cancelled, DeadlineExceeded, Internal, KvmeshError, Unavailable
-from kvmesh.v1 import common_pb2
-from services.openai_http.translation import Plan, chunk_offsets
+from kvmesh.v1 import common_pb2, gateway_pb2
+from services.admission.openai_http.translation import Plan, chunk_offsets
+
+log = logging.getLogger(__name__)
+
+
+Generate = Callable[
+    [gateway_pb2.GenerateRequest, float | None], AsyncIterator[common_pb2.GenerateEvent]
+]
+"""Runs one request for the caller: its events, given the seconds left before its deadline
+(None: no deadline); raises the KvmeshError that refuses or ends it."""
 
 
 class ClientGone(Cancelled):
@@ -47,11 +57,11 @@ class _Choice:
 
 
 class Generation:
-    """The Generate calls of one plan."""
+    """The requests of one plan, one per choice."""
 
-    def __init__(self, plan: Plan, channel: grpc.aio.Channel) -> None:
+    def __init__(self, plan: Plan, generate: Generate) -> None:
         self._plan = plan
-        self._client = Client(channel=channel, api_key=plan.headers.api_key)
+        self._generate = generate
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._choices = [_Choice() for _ in plan.requests]
         self._tasks: list[asyncio.Task[None]] = []
@@ -117,16 +127,6 @@ class Generation:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def at_deadline(self, error: KvmeshError) -> KvmeshError:
-        """The error a call ended with, where an INTERNAL after the request's deadline is the
-        deadline: gRPC's core can end a call whose deadline passed while it was being set up
-        with INTERNAL ("Internal error from Core") rather than DEADLINE_EXCEEDED."""
-        if not isinstance(error, Internal) or self._deadline is None:
-            return error
-        if asyncio.get_running_loop().time() < self._deadline:
-            return error
-        return DeadlineExceeded(f"the request's deadline passed ({error.message})")
-
     def _time_left(self) -> float | None:
         if self._deadline is None:
             return None
@@ -136,23 +136,38 @@ class Generation:
         choice = self._choices[index]
         if gate is not None:
             await gate.wait()
-        stream = self._client.stream_request(
-            self._plan.requests[index], deadline_s=self._time_left()
-        )
+        record = GenerationRecord()
         put = self._queue.put_nowait
+        time_left = self._time_left()
         try:
-            put(Event(index, started=await stream.wait_started()))
-            async for chunk in stream:
-                choice.offsets.extend(chunk_offsets(choice.text_chars, len(chunk.token_ids)))
-                choice.text_chars += len(chunk.text)
-                choice.released.set()
-                put(Event(index, chunk=chunk))
-            result = stream.result
+            async with asyncio.timeout(time_left):
+                # Cancelling this task (the client left, the generation closed, the deadline
+                # passed) raises inside the gateway's generator, which ends the request there.
+                async for event in self._generate(self._plan.requests[index], time_left):
+                    self._note(index, record.record(event), event)
+            if record.finished is None:
+                raise Internal("the gateway ended the request without a Finished event")
+            result = record.result()
             if result.finish_reason == "error":
                 raise Unavailable(result.error_message or "the generation failed")
             put(Event(index, result=result))
+        except TimeoutError:
+            put(Event(index, error=DeadlineExceeded("the request's deadline passed")))
         except KvmeshError as error:
-            put(Event(index, error=self.at_deadline(error)))
+            put(Event(index, error=error))
+        except Exception as error:  # a bug must still end the request, as an error
+            log.exception("unhandled error in a request of the HTTP door", exc_info=error)
+            put(Event(index, error=Internal(f"internal error: {type(error).__name__}: {error}")))
         finally:
             choice.released.set()
-            await stream.aclose()
+
+    def _note(self, index: int, chunk: Chunk | None, event: common_pb2.GenerateEvent) -> None:
+        """Queues a choice's Started event or chunk (its Finished is the result, queued last)."""
+        if event.HasField("started"):
+            self._queue.put_nowait(Event(index, started=event.started))
+        elif chunk is not None:
+            choice = self._choices[index]
+            choice.offsets.extend(chunk_offsets(choice.text_chars, len(chunk.token_ids)))
+            choice.text_chars += len(chunk.text)
+            choice.released.set()
+            self._queue.put_nowait(Event(index, chunk=chunk))

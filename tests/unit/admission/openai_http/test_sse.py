@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
-import grpc
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvmesh.client import Chunk, GenerationResult, TokenLogprob, ToolCallInfo, UsageInfo
-from kvmesh.errors import DeadlineExceeded, Internal, ResourceExhausted
+from kvmesh.errors import ResourceExhausted
 from kvmesh.v1 import common_pb2
-from services.openai_http import schemas, translation
-from services.openai_http.generation import Event, Generation
-from services.openai_http.sse import DONE, StreamTranslator, frame
-from services.openai_http.translation import DoorHeaders
+from services.admission.openai_http import schemas, translation
+from services.admission.openai_http.generation import Event
+from services.admission.openai_http.sse import DONE, StreamTranslator, frame
+from services.admission.openai_http.translation import DoorHeaders
 
 pytestmark = pytest.mark.unit
 
@@ -161,20 +159,3 @@ def test_a_content_chunk_has_the_bytes_pydantic_writes(kind: str, text: str) -> 
     body.created = translator._plan.created
     exclude = {"kvmesh": True, "choices": {"__all__": {"kvmesh_finish_reason"}}}
     assert sent == frame(body, exclude)
-
-
-async def test_an_internal_error_past_the_deadline_is_the_deadline() -> None:
-    """gRPC's core may end a call whose deadline passed during its set-up with INTERNAL: the
-    door answers it as the deadline (504), and any other error, or one in time, as it is."""
-    channel = grpc.aio.insecure_channel("127.0.0.1:1")
-    body = schemas.CompletionRequest.model_validate({"model": "big", "prompt": "hi"})
-    late = translation.completion_plan(body, DoorHeaders("k", deadline_s=0.001), max_prompts=1)
-    in_time = translation.completion_plan(body, DoorHeaders("k", deadline_s=60), max_prompts=1)
-    past, current = Generation(late, channel), Generation(in_time, channel)
-    await asyncio.sleep(0.01)
-    core = Internal("Internal error from Core")
-    assert isinstance(past.at_deadline(core), DeadlineExceeded)
-    assert current.at_deadline(core) is core
-    busy = ResourceExhausted("busy")
-    assert past.at_deadline(busy) is busy
-    await channel.close()

@@ -9,8 +9,8 @@ import pytest
 
 from kvmesh.errors import InvalidArgument, KvmeshError, ResourceExhausted, Unauthenticated
 from kvmesh.v1 import common_pb2
-from services.openai_http import schemas, translation
-from services.openai_http.translation import DoorHeaders
+from services.admission.openai_http import schemas, translation
+from services.admission.openai_http.translation import DoorHeaders
 
 pytestmark = pytest.mark.unit
 

@@ -1,36 +1,38 @@
-"""The FastAPI application: OpenAI's routes, each a translation onto `Gateway.Generate`.
+"""The FastAPI application: OpenAI's routes, each a translation onto the gateway's admission.
 
-POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. Every error is
-OpenAI's error body with the status clients branch on (see translation.http_error); a body
+POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health. Each request is
+authenticated and run by the same Gateway the gRPC servicer calls, in this process. Every error
+is OpenAI's error body with the status clients branch on (see translation.http_error); a body
 that does not parse is a 400 naming the field, never a 500. A client that goes away, while
-streaming or while waiting for a whole answer, cancels its calls at once.
+streaming or while waiting for a whole answer, cancels its requests at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from kvmesh.client import Client, gateway_channel
 from kvmesh.errors import InvalidArgument, KvmeshError
-from services.openai_http import schemas, translation
-from services.openai_http.config import OpenAIHttpConfig
-from services.openai_http.generation import ClientGone, Generation
-from services.openai_http.sse import DONE, event_stream
-from services.openai_http.translation import DoorHeaders, Plan
+from kvmesh.tenants import Tenant
+from kvmesh.v1 import common_pb2, gateway_pb2
+from services.admission.auth import AUTHORIZATION
+from services.admission.gateway import Gateway
+from services.admission.openai_http import schemas, translation
+from services.admission.openai_http.generation import ClientGone, Generate, Generation
+from services.admission.openai_http.sse import DONE, event_stream
+from services.admission.openai_http.translation import DoorHeaders, Plan
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +41,31 @@ JSON = "application/json"
 Body = TypeVar("Body", bound=BaseModel)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Door:
-    """What the routes share: the settings and the one channel to the gateway."""
+    """What the routes share: the gateway they admit through and the door's settings."""
 
-    config: OpenAIHttpConfig
-    channel: grpc.aio.Channel | None = None
+    gateway: Gateway
+    serving: Callable[[], bool]
+    """Whether the gateway serves (False once it drains): GET /health's answer."""
+    max_prompts: int
+    """Most prompts in one /v1/completions request (each is its own request)."""
 
-    @property
-    def gateway(self) -> grpc.aio.Channel:
-        assert self.channel is not None, "the app's lifespan opens the channel"
-        return self.channel
+    def caller(self, headers: DoorHeaders) -> Tenant:
+        """The tenant of the request's bearer key, as the gRPC servicer authenticates one."""
+        key = headers.api_key
+        return self.gateway.authenticate(((AUTHORIZATION, f"Bearer {key}"),) if key else ())
+
+    def generate(self, tenant: Tenant) -> Generate:
+        """Runs requests for `tenant` on the gateway. The door never sends a Cancel message:
+        cancelling a request's task ends it, as a gRPC call's cancellation ends its handler."""
+
+        def run(
+            request: gateway_pb2.GenerateRequest, time_left_s: float | None
+        ) -> AsyncIterator[common_pb2.GenerateEvent]:
+            return self.gateway.generate(tenant, request, asyncio.Event(), time_left_s)
+
+        return run
 
 
 def error_response(error: KvmeshError, plan: Plan | None = None) -> Response:
@@ -127,7 +143,7 @@ async def _wait_disconnect(request: Request) -> None:
 async def answer(door: Door, plan: Plan, request: Request) -> Response:
     """Runs the plan's calls; the whole body, or an SSE stream of it. A client that leaves
     (streaming or not) cancels every call at once."""
-    generation = Generation(plan, door.gateway)
+    generation = Generation(plan, door.generate(door.caller(plan.headers)))
     generation.start(client_gone=_wait_disconnect(request))
     events = generation.events()
     if plan.stream:
@@ -166,18 +182,9 @@ def _caller_trace(request: Request) -> Iterator[None]:
         otel_context.detach(token)
 
 
-def create_app(config: OpenAIHttpConfig) -> FastAPI:
-    """The app for these settings; its lifespan opens and closes the gateway channel."""
-    door = Door(config)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Over TLS when the gateway is (kvmesh up --tls passes the stack's CA).
-        door.channel = gateway_channel(config.gateway, config.tls_ca_file)
-        yield
-        await door.channel.close()
-
-    app = FastAPI(title="kvmesh OpenAI-compatible API", lifespan=lifespan)
+def create_app(door: Door) -> FastAPI:
+    """The app of the door."""
+    app = FastAPI(title="kvmesh OpenAI-compatible API")
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(KvmeshError, _kvmesh_error)
 
@@ -192,7 +199,7 @@ def create_app(config: OpenAIHttpConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         body = await _body(request, schemas.CompletionRequest)
         headers = DoorHeaders.parse(request.headers)
-        plan = translation.completion_plan(body, headers, config.max_prompts)
+        plan = translation.completion_plan(body, headers, door.max_prompts)
         with _caller_trace(request):
             return await answer(door, plan, request)
 
@@ -201,7 +208,7 @@ def create_app(config: OpenAIHttpConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        client = Client(channel=door.gateway, api_key=DoorHeaders.parse(request.headers).api_key)
+        door.caller(DoorHeaders.parse(request.headers))
         cards = [
             schemas.ModelCard(
                 id=m.id,
@@ -211,21 +218,14 @@ def create_app(config: OpenAIHttpConfig) -> FastAPI:
                 fallback=m.fallback,
                 usd_per_1k_tokens=m.usd_per_1k_tokens,
             )
-            for m in await client.list_models()
+            for m in (await door.gateway.list_models()).models
         ]
         return Response(schemas.ModelList(data=cards).model_dump_json(), media_type=JSON)
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the gateway behind the door reports SERVING, else 503."""
-        stub = health_pb2_grpc.HealthStub(door.gateway)
-        try:
-            reply = await stub.Check(
-                health_pb2.HealthCheckRequest(), timeout=config.health_timeout_s
-            )
-            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
-            serving = False
+        """200 while the gateway serves (its gRPC health check says SERVING), else 503."""
+        serving = door.serving()
         return Response(
             b'{"status":"ok"}' if serving else b'{"status":"gateway unavailable"}',
             200 if serving else 503,

@@ -24,7 +24,7 @@ from kvmesh.client import (
 from kvmesh.errors import InvalidArgument, KvmeshError
 from kvmesh.tool_format import split_answer
 from kvmesh.v1 import gateway_pb2
-from services.openai_http import schemas
+from services.admission.openai_http import schemas
 
 Kind = Literal["chat", "completion"]
 ToolAnswer = Literal["text", "auto", "call"]
@@ -34,7 +34,7 @@ tagged call (auto), or only a call (required, a named function)."""
 MAX_N = 8
 """Most samples (`n`) per prompt."""
 DEADLINE_HEADER = "x-kvmesh-timeout-s"
-"""Seconds the caller will wait for the whole answer; the gateway's deadline (gRPC timeout)."""
+"""Seconds the caller will wait for the whole answer: the deadline of its gateway requests."""
 IDEMPOTENCY_HEADER = "idempotency-key"
 DEFAULT_TEMPERATURE = 1.0
 """OpenAI's default when a request sets none (kvmesh's own gRPC default is greedy)."""
@@ -112,7 +112,7 @@ class DoorHeaders:
 
 @dataclass(slots=True)
 class Plan:
-    """An OpenAI request as Generate calls: one per choice, in choice order."""
+    """An OpenAI request as gateway requests: one per choice, in choice order."""
 
     kind: Kind
     requested_model: str
