@@ -99,6 +99,15 @@ def test_service_on_a_port_in_use(flag: str, listening_port: int) -> None:
     )
 
 
+def test_gateway_whose_http_port_is_in_use(listening_port: int) -> None:
+    command = [sys.executable, "-m", "services.admission", "--port", "0", "--metrics-port", "-1"]
+    line = run_mistake([*command, "--http-port", str(listening_port)])
+    assert line == (
+        f"admission: error: cannot listen on 127.0.0.1:{listening_port}: the port is in use "
+        "(choose another with --http-port)"
+    )
+
+
 def test_worker_with_an_unknown_model() -> None:
     command = [sys.executable, "-m", "services.worker", "--model", "nosuch", "--port", "0"]
     line = run_mistake(command)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 from collections.abc import Iterator
 
@@ -26,8 +27,10 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError:
+    except OSError as error:
         sock.close()
+        if error.errno != errno.EADDRINUSE:
+            raise
         raise OSError(port_in_use_message(host, port, "--http-port")) from None
     sock.listen(2048)
     return sock
