@@ -12,10 +12,10 @@
  * group, before they touch the output row (one load and store of it per block). From the
  * scalar version: 23.8 -> 17.1 ms a step with the KV in cache, 44.6 -> ~37 ms from memory
  * (32 rows of 310 tokens, 30 layers, SmolLM2-135M's heads; 2 cores of an Intel Xeon with
- * AVX-512). From memory it still runs at about half the machine's streaming read bandwidth
- * (a plain sum over the same blocks in the same order: 21.6 GB/s, here ~12), as if reading
- * and arithmetic did not overlap; software prefetching (1 to 4 blocks ahead), huge pages and
- * reading each block in address order changed nothing.
+ * AVX-512). From memory it ran at about half the machine's streaming read bandwidth, reading
+ * and arithmetic taking turns, until each row's next block was asked for in slices spread
+ * over the current block's loop (prefetch_slice); huge pages and reading each block in
+ * address order changed nothing.
  *
  * Layouts (contiguous):
  *   q, out        [rows, heads, head_dim]
