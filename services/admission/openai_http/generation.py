@@ -148,6 +148,11 @@ class Generation:
             if record.finished is None:
                 raise Internal("the gateway ended the request without a Finished event")
             result = record.result()
+            if result.finish_reason == "deadline" and not result.token_ids:
+                # The gateway stops a request short of its deadline to send what it has; with
+                # nothing to send, the answer is the deadline's error (a gRPC caller's call
+                # ends with DEADLINE_EXCEEDED there).
+                raise DeadlineExceeded("the request's deadline passed before its first token")
             if result.finish_reason == "error":
                 raise Unavailable(result.error_message or "the generation failed")
             put(Event(index, result=result))

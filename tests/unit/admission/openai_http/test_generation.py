@@ -74,6 +74,24 @@ async def test_a_request_past_its_deadline_ends_with_deadline_exceeded_and_is_ca
     await generation.aclose()
 
 
+async def test_a_deadline_finish_with_no_token_is_deadline_exceeded() -> None:
+    """The gateway ends a request short of its deadline (to send the partial answer in time):
+    with no token to send, the door's answer is the deadline's error, not an empty choice."""
+
+    async def out_of_time(
+        request: gateway_pb2.GenerateRequest, time_left_s: float | None
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        yield common_pb2.GenerateEvent(
+            finished=common_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_DEADLINE)
+        )
+
+    generation = Generation(completion_plan(deadline_s=5.0), out_of_time)
+    generation.start(client_gone=staying())
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(generation.results(), 5.0)
+    await generation.aclose()
+
+
 async def test_a_bug_in_the_gateway_ends_the_request_with_an_internal_error() -> None:
     async def broken(
         request: gateway_pb2.GenerateRequest, time_left_s: float | None
