@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include "exp_approx.h"
+#include "prefetch_slice.h"
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -125,20 +126,12 @@ static void softmax_in_place(float *restrict scores, int64_t n) {
     for (int64_t u = 0; u < n; u++) scores[u] *= inverse;
 }
 
-/* A row's next block is read from memory while its current one is computed on: slice `part`
- * of `parts` of its cache lines (all its KV heads: a work item of a lone row's split reads one,
- * and the items after it the others) is asked for at each step of the current block's loop, so
- * the requests are spread over the block instead of coming in one burst. With the hardware
- * prefetcher alone, reading and arithmetic took turns: on 2 cores of an AMD EPYC Zen 5, 32 rows
- * of 310 tokens x 30 layers with the blocks scattered took 17.1 ms instead of 27.0 (26.7 vs
- * 16.9 GB/s; AVX2 build 22.8 vs 36.5 ms), one row of 600 tokens 1.36 vs 1.84 ms; asking for a
- * whole block at once at the start of the one before gained 6%. */
-static inline void prefetch_slice(const float *block, int64_t floats, int64_t part,
-                                  int64_t parts) {
-    const int64_t lines = floats * (int64_t)sizeof(float) / 64;
-    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; line++)
-        __builtin_prefetch((const char *)block + line * 64, 0, 3);
-}
+/* A row's next block (all its KV heads: a work item of a lone row's split reads one, and the
+ * items after it the others) is asked for in slices (prefetch_slice), one per step of the
+ * current block's loop: on 2 cores of an AMD EPYC Zen 5, 32 rows of 310 tokens x 30 layers
+ * with the blocks scattered took 17.1 ms instead of 27.0 (26.7 vs 16.9 GB/s; AVX2 build 22.8
+ * vs 36.5 ms), one row of 600 tokens 1.36 vs 1.84 ms; asking for a whole block at once at the
+ * start of the one before gained 6%. */
 
 /* One work item: query heads [head0, head0 + heads) of one row. */
 typedef struct {
@@ -174,7 +167,8 @@ static void row_scores(const Row *row, const float *q, const float *key_cache, f
             const int64_t count = hi - i < LANES ? hi - i : LANES;
             const float *keys = block + i * row->token_stride;
             for (int64_t h = 0; h < row->heads; h++) {
-                if (next != NULL) prefetch_slice(next, block_floats, part++, parts);
+                if (next != NULL)
+                    prefetch_slice(next, block_floats * sizeof(float), part++, parts);
                 const float *qh = q + h * dim;
                 const float *kh = keys + ((row->head0 + h) / row->group) * dim;
                 vec partial[LANES];
@@ -213,7 +207,7 @@ static void row_values(const Row *row, const float *probs, const float *value_ca
             const int64_t group_end = (h0 / group + 1) * group;
             tile = group_end - h0 < VALUE_HEADS ? group_end - h0 : VALUE_HEADS;
             const float *values = block + ((row->head0 + h0) / group) * dim;
-            if (next != NULL) prefetch_slice(next, bs * stride, part++, parts);
+            if (next != NULL) prefetch_slice(next, bs * stride * sizeof(float), part++, parts);
             const float *p[VALUE_HEADS];
             for (int h = 0; h < VALUE_HEADS; h++)
                 p[h] = probs + (h0 + (h < tile ? h : 0)) * n + start - row->first;

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "exp_approx.h"
+#include "prefetch_slice.h"
 
 /* A vector: 16 floats with AVX-512 (whose FMAs take twice the floats of AVX2's on every CPU
  * that runs them at full width), else 8. */
@@ -143,22 +144,20 @@ static inline void store(float *y, const float *dots, const uint16_t *scales, co
 
 /* Outputs [n, n + 4) of every row, w, scales and bias pointing at output n: the four weight
  * rows are read from memory once. `next` is the group of four weight rows computed after them
- * (NULL if none): a slice of its cache lines is asked for at each pair of x rows, so it comes
- * in from memory while this group is computed on (with the hardware prefetcher alone the two
- * took turns: on 2 cores of an AMD EPYC Zen 5, SmolLM2-135M's projections of 8 rows took
+ * (NULL if none): a slice of it is asked for at each pair of x rows (prefetch_slice), so it
+ * comes in from memory while this group is computed on (with the hardware prefetcher alone the
+ * two took turns: on 2 cores of an AMD EPYC Zen 5, SmolLM2-135M's projections of 8 rows took
  * 17.4-17.7 instead of 30.3-33.5 ms a step, of 16 rows 24.3-26.0 instead of 41.9-43.1, with
  * the 16-float vectors of AVX-512; oneDNN 17.3-18.6 and 19.8-20.9). */
 ALWAYS_INLINE void four_outputs(const float *x, int64_t rows, int64_t x_stride, const void *w,
                                 const void *next, const uint16_t *scales, const float *bias,
                                 int quantized, int64_t in, float *y, int64_t outs,
                                 int accumulate) {
-    const int64_t lines = WEIGHT_ROWS * in * (quantized ? 1 : (int64_t)sizeof(float)) / 64;
+    const int64_t bytes = WEIGHT_ROWS * in * (quantized ? 1 : (int64_t)sizeof(float));
     const int64_t pairs = (rows + 1) / 2;
     float dots[8];
     for (int64_t m = 0; m < rows; m += 2) {
-        if (next != NULL)
-            for (int64_t line = m / 2 * lines / pairs; line < (m / 2 + 1) * lines / pairs; line++)
-                __builtin_prefetch((const char *)next + line * 64, 0, 3);
+        if (next != NULL) prefetch_slice(next, bytes, m / 2, pairs);
         const int pair = m + 1 < rows;
         if (pair)
             two_rows(x + m * x_stride, x + (m + 1) * x_stride, w, in, quantized, dots);
