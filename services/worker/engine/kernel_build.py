@@ -27,9 +27,20 @@ logger = logging.getLogger(__name__)
 
 KERNELS_DIR = Path(__file__).with_name("kernels")
 # -fno-math-errno lets sqrtf inline; glibc's expf stays a call per element without
-# -ffast-math, so the kernels take e^x from kernels/exp_approx.h. No -ffast-math: its
-# start-up code would flip the whole process's floating-point flags.
-CFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+# -ffast-math, so the kernels take e^x from kernels/exp_approx.h. -fno-trapping-math lets GCC
+# turn exp_approx's clamps (and the softmax's masks) into vector selects: with traps kept, the
+# compares are control flow and every loop calling exp_approx ran one float at a time (the
+# SwiGLU, both attention kernels' softmax). No -ffast-math: its start-up code would flip the
+# whole process's floating-point flags, and it would reorder the sums.
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+)
 
 Kernel = TypeVar("Kernel")
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,3 +132,46 @@ def test_large_steps_take_onednn_unless_told_not_to() -> None:
     plain = choose_linear_kernel("auto", CPU, torch.float32, 1, "torch")
     assert onednn is load_linear_kernel(1, True) and plain is load_linear_kernel(1, False)
     assert onednn is not plain
+
+
+@pytest.mark.parametrize(
+    "kernel", ["small_batch_linear", "paged_decode_attention", "paged_prefill_attention"]
+)
+def test_every_loop_calling_exp_approx_is_vectorized(kernel: str, tmp_path: Path) -> None:
+    """With the kernels' flags GCC vectorizes each loop that calls exp_approx (the SwiGLU, the
+    softmaxes): with -ftrapping-math (GCC's default) its clamps were control flow and these
+    loops ran one float at a time."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None or "Free Software Foundation" not in kernel_build._run(
+        [compiler, "--version"]
+    ):
+        pytest.skip("the vectorizer's report read here is GCC's")
+    source = kernel_build.KERNELS_DIR / f"{kernel}.c"
+    target = tmp_path / "kernel.so"
+    report = subprocess.run(
+        [
+            compiler,
+            *kernel_build.CFLAGS,
+            "-fopt-info-vec-optimized",
+            str(source),
+            "-o",
+            str(target),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stderr
+    vectorized = {
+        int(line.split(":")[1]) for line in report.splitlines() if "loop vectorized" in line
+    }
+    lines = source.read_text().splitlines()
+    loops = []
+    for number, line in enumerate(lines, start=1):
+        # A call in a loop: its `for` is on the call's line or one of the two before it.
+        heads = [n for n in range(number - 2, number + 1) if "for (" in lines[n - 1]]
+        if "exp_approx(" in line and heads:
+            loops.append((number, heads[-1]))
+    assert loops
+    for call, head in loops:
+        # GCC names a loop by its `for` line or by its body's.
+        assert {call, head} & vectorized, f"{kernel}.c:{call} is not vectorized"

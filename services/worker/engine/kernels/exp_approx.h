@@ -5,11 +5,11 @@
 #include <stdint.h>
 #include <string.h>
 
-/* e^x within 1 ulp of expf (checked for every float in [-87, 88]): Cephes' expf, x = n ln2 + r,
- * a degree-5 polynomial in r, times 2^n, written so that a `#pragma omp simd` loop vectorizes
- * it. glibc's expf is a call per element without -ffast-math, which made the SwiGLU of a
- * 512-token step take 8x as long (AMD EPYC Zen 4). Arguments are clamped to [-87.33, 88.37],
- * where 2^n stays a normal float. */
+/* e^x within 1 ulp of expf (checked for every float in [-87, 88]): Cephes' expf, x = n ln2 + r, a
+ * degree-5 polynomial in r, times 2^n, written so that a `#pragma omp simd` loop vectorizes it
+ * (with -fno-trapping-math: kernel_build.py's CFLAGS). glibc's expf is a call per element without
+ * -ffast-math, which made the SwiGLU of a 512-token step take 8x as long (AMD EPYC Zen 4).
+ * Arguments are clamped to [-87.33, 88.37], where 2^n stays a normal float. */
 static inline float exp_approx(float x) {
     x = x < 88.37f ? x : 88.37f;
     x = x > -87.33f ? x : -87.33f;
