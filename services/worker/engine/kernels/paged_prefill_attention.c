@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "exp_approx.h"
+#include "in_register.h"
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -37,8 +38,9 @@
 #define VALUE_VECTORS 4
 #else
 #define LANES 8
-/* 8 of AVX2's 16 registers hold accumulators; the rest the loads and broadcasts. */
-#define TILE_ROWS 4
+/* 12 of AVX2's 16 registers hold accumulators (its FMAs take 5 cycles, two at a time: ten
+ * must be in flight), the rest the loads and broadcasts. */
+#define TILE_ROWS 6
 #define SCORE_VECTORS 2
 #define VALUE_VECTORS 2
 #endif
@@ -58,7 +60,15 @@ static inline vec load(const float *p) {
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-static inline vec splat(float x) { return (vec){0} + x; }
+/* x in every lane, written out: one broadcast. (GCC keeps `(vec){0} + x` as an add, since
+ * 0 + -0 is +0, and builds a vector filled by a loop one lane at a time.) */
+static inline vec splat(float x) {
+    return (vec){x, x, x, x, x, x, x, x,
+#if LANES == 16
+                 x, x, x, x, x, x, x, x,
+#endif
+    };
+}
 
 static inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
@@ -96,20 +106,26 @@ static void pack_tile(const PackedHead *packed, const float *key_cache, const fl
 }
 
 /* scores[r][0:KEY_TILE] = queries[r] . keys[tile] for rows [0, rows) (rows a multiple of
- * TILE_ROWS): each query element broadcast against whole vectors of transposed keys. */
-static void tile_scores(const float *queries, int64_t rows, int64_t dim_pad, int64_t head_dim,
+ * TILE_ROWS): each query element broadcast against whole vectors of transposed keys. The
+ * queries are interleaved by row tile ([rows / TILE_ROWS][head_dim][TILE_ROWS]), so that one
+ * pointer walks a tile's broadcasts (a pointer per row spilled to the stack on AVX2). */
+static void tile_scores(const float *queries, int64_t rows, int64_t head_dim,
                         const float *keys_t, float *scores) {
     for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS)
         for (int64_t c0 = 0; c0 < KEY_TILE; c0 += SCORE_VECTORS * LANES) {
             vec acc[TILE_ROWS][SCORE_VECTORS] = {{{0}}};
+            const float *tile_queries = queries + r0 * head_dim;
             for (int64_t d = 0; d < head_dim; d++) {
                 const float *k = keys_t + d * KEY_TILE + c0;
                 vec kv[SCORE_VECTORS];
 #pragma GCC unroll 8
-                for (int v = 0; v < SCORE_VECTORS; v++) kv[v] = load(k + v * LANES);
+                for (int v = 0; v < SCORE_VECTORS; v++) {
+                    kv[v] = load(k + v * LANES);
+                    IN_REGISTER(kv[v]);
+                }
 #pragma GCC unroll 8
                 for (int r = 0; r < TILE_ROWS; r++) {
-                    const vec q = splat(queries[(r0 + r) * dim_pad + d]);
+                    const vec q = splat(tile_queries[d * TILE_ROWS + r]);
 #pragma GCC unroll 8
                     for (int v = 0; v < SCORE_VECTORS; v++) acc[r][v] += q * kv[v];
                 }
@@ -164,48 +180,59 @@ static float tile_softmax(float *restrict scores, int64_t lo, int64_t hi, float 
     return rescale;
 }
 
+/* Columns [c0, c0 + width * LANES) of rows [r0, r0 + TILE_ROWS) of tile_values. `width` is
+ * a literal at the call sites: each width gets its own code, with no test per vector in the
+ * loop over the keys. */
+static inline __attribute__((always_inline)) void value_columns(
+    const float *probs, const float *values, int64_t dim_pad, const float *rescale,
+    float *acc_rows, int64_t r0, int64_t c0, int width) {
+    vec acc[TILE_ROWS][VALUE_VECTORS];
+    const float *tile_probs = probs + r0 * KEY_TILE;
+#pragma GCC unroll 8
+    for (int r = 0; r < TILE_ROWS; r++) {
+        const vec scale = splat(rescale[r0 + r]);
+#pragma GCC unroll 8
+        for (int v = 0; v < width; v++)
+            acc[r][v] = load(acc_rows + (r0 + r) * dim_pad + c0 + v * LANES) * scale;
+    }
+    for (int64_t j = 0; j < KEY_TILE; j++) {
+        const float *value = values + j * dim_pad + c0;
+        vec vv[VALUE_VECTORS];
+#pragma GCC unroll 8
+        for (int v = 0; v < width; v++) {
+            vv[v] = load(value + v * LANES);
+            IN_REGISTER(vv[v]);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const vec p = splat(tile_probs[r * KEY_TILE + j]);
+#pragma GCC unroll 8
+            for (int v = 0; v < width; v++) acc[r][v] += p * vv[v];
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < TILE_ROWS; r++)
+#pragma GCC unroll 8
+        for (int v = 0; v < width; v++)
+            store(acc_rows + (r0 + r) * dim_pad + c0 + v * LANES, acc[r][v]);
+}
+
 /* acc[r] = acc[r] * rescale[r] + probs[r] . values[tile] for rows [0, rows) (a multiple of
  * TILE_ROWS): each probability broadcast against whole vectors of a value row. */
 static void tile_values(const float *probs, int64_t rows, const float *values, int64_t dim_pad,
                         const float *rescale, float *acc_rows) {
-    for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS)
-        for (int64_t c0 = 0; c0 < dim_pad; c0 += VALUE_VECTORS * LANES) {
-            const int64_t width = dim_pad - c0 < VALUE_VECTORS * LANES ? (dim_pad - c0) / LANES
-                                                                       : VALUE_VECTORS;
-            vec acc[TILE_ROWS][VALUE_VECTORS];
-#pragma GCC unroll 8
-            for (int r = 0; r < TILE_ROWS; r++) {
-                const vec scale = splat(rescale[r0 + r]);
-#pragma GCC unroll 8
-                for (int v = 0; v < VALUE_VECTORS; v++)
-                    acc[r][v] = v < width
-                                    ? load(acc_rows + (r0 + r) * dim_pad + c0 + v * LANES) * scale
-                                    : (vec){0};
-            }
-            for (int64_t j = 0; j < KEY_TILE; j++) {
-                const float *value = values + j * dim_pad + c0;
-                vec vv[VALUE_VECTORS];
-#pragma GCC unroll 8
-                for (int v = 0; v < VALUE_VECTORS; v++)
-                    vv[v] = v < width ? load(value + v * LANES) : (vec){0};
-#pragma GCC unroll 8
-                for (int r = 0; r < TILE_ROWS; r++) {
-                    const vec p = splat(probs[(r0 + r) * KEY_TILE + j]);
-#pragma GCC unroll 8
-                    for (int v = 0; v < VALUE_VECTORS; v++) acc[r][v] += p * vv[v];
-                }
-            }
-#pragma GCC unroll 8
-            for (int r = 0; r < TILE_ROWS; r++)
-#pragma GCC unroll 8
-                for (int v = 0; v < VALUE_VECTORS; v++)
-                    if (v < width) store(acc_rows + (r0 + r) * dim_pad + c0 + v * LANES, acc[r][v]);
-        }
+    for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+        int64_t c0 = 0;
+        for (; c0 + VALUE_VECTORS * LANES <= dim_pad; c0 += VALUE_VECTORS * LANES)
+            value_columns(probs, values, dim_pad, rescale, acc_rows, r0, c0, VALUE_VECTORS);
+        for (; c0 < dim_pad; c0 += LANES)
+            value_columns(probs, values, dim_pad, rescale, acc_rows, r0, c0, 1);
+    }
 }
 
 /* A thread's scratch for one query tile of one KV head. */
 typedef struct {
-    float *queries; /* [rows_pad][dim_pad], scaled */
+    float *queries; /* [rows_pad / TILE_ROWS][head_dim][TILE_ROWS], scaled (tile_scores) */
     float *scores;  /* [rows_pad][KEY_TILE] */
     float *acc;     /* [rows_pad][dim_pad] */
     float *max, *sum, *rescale; /* [rows_pad] */
@@ -240,12 +267,12 @@ static void query_tile(Scratch *s, const PackedHead *packed, const float *q,
     const int64_t rows = (i1 - i0) * group;
     const int64_t rows_pad = round_up(rows, TILE_ROWS);
     for (int64_t r = 0; r < rows_pad; r++) {
-        float *row = s->queries + r * dim_pad;
+        float *row = s->queries + (r - r % TILE_ROWS) * head_dim + r % TILE_ROWS;
         if (r < rows) {
             const float *src = q + (i0 + r / group) * q_row_stride + (g * group + r % group) * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) row[d] = src[d] * scale;
+            for (int64_t d = 0; d < head_dim; d++) row[d * TILE_ROWS] = src[d] * scale;
         } else {
-            memset(row, 0, sizeof(float) * dim_pad);
+            for (int64_t d = 0; d < head_dim; d++) row[d * TILE_ROWS] = 0.f;
         }
         s->max[r] = -FLT_MAX;
         s->sum[r] = 0.f;
@@ -257,7 +284,7 @@ static void query_tile(Scratch *s, const PackedHead *packed, const float *q,
     int64_t lowest = 0;
     if (window > 0 && prefix_len + i0 - window + 1 > first) lowest = prefix_len + i0 - window + 1 - first;
     for (int64_t k0 = lowest - lowest % KEY_TILE; k0 <= last; k0 += KEY_TILE) {
-        tile_scores(s->queries, rows_pad, dim_pad, head_dim, packed->keys_t + k0 * head_dim,
+        tile_scores(s->queries, rows_pad, head_dim, packed->keys_t + k0 * head_dim,
                     s->scores);
         for (int64_t r = 0; r < rows_pad; r++) {
             /* Padding rows attend to nothing. */
