@@ -33,9 +33,14 @@ HUGE_PAGE_BYTES = 2 << 20
 # Models whose streamed weights already live in a huge-page buffer (place_weights).
 _PLACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
-# Up to this many rows the kernel beats torch's matmul (measured on the target CPU: 2 cores,
-# AVX2; at 16 rows it still reads the weights ~1.4x faster).
-MAX_ROWS = 16
+# Up to how many rows the kernel beats oneDNN on reordered weights, by the floats in the
+# kernel's vectors (small_batch_linear_lanes), measured side by side on SmolLM2-135M's
+# projections (every layer and lm_head), 2 cores: with AVX2's 8 (AMD EPYC Zen 2) up to 48
+# rows (48: 121 vs 143 ms, 64: 175 vs 170), with AVX-512's 16 up to 16 (AMD EPYC Zen 4; on
+# Zen 5 oneDNN is as fast from 12 rows), where oneDNN runs AVX-512 code too.
+MAX_ROWS_BY_LANES = {8: 48, 16: 16}
+# For a vector width not measured (NEON's 4 floats).
+DEFAULT_MAX_ROWS = 16
 # From there up to this many rows, torch's matmul (MKL) is faster asked for the transposed
 # product W x^T than for x W^T (measured on the target CPU, side by side: decode steps of 32
 # rows 16% shorter, of 64 rows 10%; at 512 rows the plain product is faster again).
@@ -57,10 +62,11 @@ class SmallBatchLinear:
         self,
         library: ctypes.CDLL,
         num_threads: int,
-        max_rows: int = MAX_ROWS,
+        max_rows: int | None = None,
         packed: PackedLinear | None = None,
     ) -> None:
-        """packed: runs the float32 projections of more than max_rows rows when given
+        """max_rows: the most rows it computes (by default MAX_ROWS_BY_LANES for the
+        kernel's vector width); packed: runs the float32 projections of more rows when given
         (instead of torch's products)."""
         self._packed = packed
         self.function = library.small_batch_linear
@@ -80,6 +86,10 @@ class SmallBatchLinear:
             *(_INT, _POINTER, ctypes.c_int),  # width of f(x), out, threads
         ]
         self.num_threads = num_threads
+        if max_rows is None:
+            library.small_batch_linear_lanes.restype = ctypes.c_int
+            lanes = library.small_batch_linear_lanes()
+            max_rows = MAX_ROWS_BY_LANES.get(lanes, DEFAULT_MAX_ROWS)
         self.max_rows = max_rows
 
     def __call__(

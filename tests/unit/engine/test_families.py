@@ -22,7 +22,6 @@ from kvmesh.contracts.constraints import Constraint, ConstraintKind
 from services.worker.engine.api import EngineRequest, FinishReason, SamplingParams
 from services.worker.engine.decode_kernel import load_decode_kernel
 from services.worker.engine.linear_kernel import (
-    MAX_ROWS,
     TRANSPOSED_MAX_ROWS,
     SmallBatchLinear,
     load_linear_kernel,
@@ -128,8 +127,10 @@ def test_greedy_staggered_continuous_batch_matches_transformers(
 
 
 WIDE_BATCH = 24
-"""Requests of the wide batch below: decode steps of up to 24 rows, past the small-batch
-kernel's MAX_ROWS (16)."""
+"""Requests of the wide batch below: decode steps of up to 24 rows, past WIDE_MAX_ROWS."""
+WIDE_MAX_ROWS = 16
+"""The small-batch kernel's largest step in that test (its default on AVX-512; on AVX2 it is
+48), so that the batch crosses every threshold on any CPU."""
 WIDE_BUDGET = TRANSPOSED_MAX_ROWS + 32
 """Its token budget: the first step's prefill rows go past TRANSPOSED_MAX_ROWS (128)."""
 
@@ -173,6 +174,10 @@ def test_greedy_across_the_kernels_row_thresholds_matches_transformers(
         rows.add(x.shape[0])
         return project(module, x, **fused)
 
+    assert isinstance(project, SmallBatchLinear)
+    project.max_rows = WIDE_MAX_ROWS
+    if engine.runner.decode_layers is not None:
+        engine.runner.decode_layers.max_rows = WIDE_MAX_ROWS
     engine.runner.project = recorded
     # Six prompts at once (more prefill rows than TRANSPOSED_MAX_ROWS), then one per step.
     arrivals = {0: [EngineRequest(f"r{i}", prompts[i], GREEDY) for i in range(6)]}
@@ -180,8 +185,8 @@ def test_greedy_across_the_kernels_row_thresholds_matches_transformers(
         arrivals[i - 5] = [EngineRequest(f"r{i}", prompts[i], GREEDY)]
     results = drive(engine, arrivals)
     assert max(rows) > TRANSPOSED_MAX_ROWS
-    assert {n for n in rows if MAX_ROWS < n <= TRANSPOSED_MAX_ROWS}
-    assert {n for n in rows if n <= MAX_ROWS}
+    assert {n for n in rows if WIDE_MAX_ROWS < n <= TRANSPOSED_MAX_ROWS}
+    assert {n for n in rows if n <= WIDE_MAX_ROWS}
     for i, tokens in enumerate(hf_wide_greedy):
         assert results[f"r{i}"].token_ids == tokens, f"prompt {i} ({len(prompts[i])} tokens)"
 

@@ -16,7 +16,7 @@ from services.worker.engine import linear_kernel
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import (
-    MAX_ROWS,
+    MAX_ROWS_BY_LANES,
     TRANSPOSED_MAX_ROWS,
     PackedLinear,
     SmallBatchLinear,
@@ -29,6 +29,14 @@ from services.worker.engine.quant import Int8Linear
 CPU = torch.device("cpu")
 # Multiples of the kernel's 8-float vectors and 4-row weight groups, and every kind of tail.
 SHAPES = [(576, 960), (64, 128), (13, 7), (29, 6), (8, 3)]
+# The kernel's row counts: the streamed path (1-3), the four-row path, and the largest step it
+# takes by default on any CPU (MAX_ROWS_BY_LANES).
+KERNEL_ROWS = [1, 2, 3, 5, *sorted(set(MAX_ROWS_BY_LANES.values()))]
+
+
+def kernel(threads: int) -> SmallBatchLinear:
+    """The kernel computing every step of KERNEL_ROWS itself, whatever this CPU's default."""
+    return SmallBatchLinear(load_library("small_batch_linear"), threads, max_rows=max(KERNEL_ROWS))
 
 
 def linear(ins: int, outs: int, generator: torch.Generator, bias: bool = False) -> nn.Linear:
@@ -71,7 +79,7 @@ def reference(
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS])
+@pytest.mark.parametrize("rows", KERNEL_ROWS)
 @pytest.mark.parametrize(("ins", "outs"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 def test_kernel_matches_matmul(threads: int, rows: int, ins: int, outs: int, bias: bool) -> None:
@@ -79,7 +87,7 @@ def test_kernel_matches_matmul(threads: int, rows: int, ins: int, outs: int, bia
     module = linear(ins, outs, generator, bias)
     x = torch.randn(rows, ins, generator=generator)
     with torch.inference_mode():
-        got = load_linear_kernel(threads)(module, x)
+        got = kernel(threads)(module, x)
     assert got.shape == (rows, outs)
     torch.testing.assert_close(got, reference(module, x), atol=1e-4, rtol=1e-4)
 
@@ -144,7 +152,7 @@ def test_fused_work_matches_torch(rows: int, ins: int, outs: int, fused: str) ->
             torch.testing.assert_close(residual, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, MAX_ROWS])
+@pytest.mark.parametrize("rows", KERNEL_ROWS)
 @pytest.mark.parametrize(("ins", "outs"), SHAPES)
 @pytest.mark.parametrize("fused", ["", "norm", "gated+residual", "bias", "norm+bias"])
 def test_int8_weights_are_scaled_per_output(rows: int, ins: int, outs: int, fused: str) -> None:
@@ -154,7 +162,7 @@ def test_int8_weights_are_scaled_per_output(rows: int, ins: int, outs: int, fuse
     # float32 activations against the dequantized weight (torch's int8 matmul rounds them to
     # bf16, so it is only within ~1e-2 of this).
     torch.testing.assert_close(
-        call.run(load_linear_kernel(2), module), call.expected(module), atol=1e-4, rtol=1e-4
+        call.run(kernel(2), module), call.expected(module), atol=1e-4, rtol=1e-4
     )
 
 
@@ -219,7 +227,7 @@ def test_each_projection_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None
                 assert paths == ([] if path == "kernel" else [path]), (other, x.shape)
 
 
-@pytest.mark.parametrize("rows", [MAX_ROWS + 1, 64, TRANSPOSED_MAX_ROWS])
+@pytest.mark.parametrize("rows", [max(MAX_ROWS_BY_LANES.values()) + 1, 64, TRANSPOSED_MAX_ROWS])
 @pytest.mark.parametrize("fused", ["", "norm", "gated+residual", "bias", "norm+bias+residual"])
 def test_transposed_product_matches(rows: int, fused: str) -> None:
     module = linear(64, 96, torch.Generator().manual_seed(rows), bias="bias" in fused)

@@ -33,6 +33,7 @@
 #include <string.h>
 
 #include "exp_approx.h"
+#include "in_register.h"
 #include "prefetch_slice.h"
 
 /* A vector: 16 floats with AVX-512 (whose FMAs take twice the floats of AVX2's on every CPU
@@ -98,9 +99,15 @@ ALWAYS_INLINE void two_rows(const float *restrict xa, const float *restrict xb, 
     const int64_t body = in & ~(int64_t)(LANES - 1);
     vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     for (int64_t k = 0; k < body; k += LANES) {
-        const vec va = loadv(xa + k), vb = loadv(xb + k);
-        const vec u0 = weightsv(w, k, quantized), u1 = weightsv(w, in + k, quantized);
-        const vec u2 = weightsv(w, 2 * in + k, quantized), u3 = weightsv(w, 3 * in + k, quantized);
+        vec va = loadv(xa + k), vb = loadv(xb + k);
+        IN_REGISTER(va);
+        IN_REGISTER(vb);
+        vec u0 = weightsv(w, k, quantized), u1 = weightsv(w, in + k, quantized);
+        vec u2 = weightsv(w, 2 * in + k, quantized), u3 = weightsv(w, 3 * in + k, quantized);
+        IN_REGISTER(u0);
+        IN_REGISTER(u1);
+        IN_REGISTER(u2);
+        IN_REGISTER(u3);
         a0 += u0 * va, a1 += u1 * va, a2 += u2 * va, a3 += u3 * va;
         b0 += u0 * vb, b1 += u1 * vb, b2 += u2 * vb, b3 += u3 * vb;
     }
@@ -308,6 +315,10 @@ void projection_input(const float *x, int64_t rows, int64_t x_stride, const floa
             rms_norm_row(x + m * x_stride, norm_weight, eps, in, out + m * in);
     }
 }
+
+/* The floats in the kernel's vectors as compiled for this CPU (8 with AVX2, 16 with AVX-512):
+ * how many rows it beats the larger steps' matmul up to depends on it (linear_kernel.py). */
+int small_batch_linear_lanes(void) { return LANES; }
 
 /* Returns 0, or -1 when the scratch rows for f(x) cannot be allocated. w is float32, or int8
  * when scales (bfloat16, one per output) is not NULL; bias (float32, one per output) or NULL. */
