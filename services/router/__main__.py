@@ -84,6 +84,7 @@ def build_router(config: RouterConfig) -> Router:
         config.lease_ttl_ms,
         stall_steps=config.stall_steps,
         stall_floor_s=config.stall_floor_s,
+        stall_step_tokens=config.stall_step_tokens,
     )
     servicer = RouterServicer(registry, orchestrator, monitor)
     resolver = DnsResolver(config.dns_server, config.check_timeout_s)

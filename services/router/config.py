@@ -41,6 +41,10 @@ class RouterConfig(ServerConfig):
     rules (after the first token: UNAVAILABLE with the usage so far)."""
     stall_floor_s: float = 2.0
     """The shortest silence that counts as a stalled worker."""
+    stall_step_tokens: int = 1024
+    """Prompt tokens in a worker's longest step (the workers' --max-num-batched-tokens): a
+    colocated worker goes quiet for a whole prefill step of that many tokens while its streams
+    decode, so none is called stalled before twice the worker's measured time for them."""
     dns_interval_s: float = 2.0
     """How often the pools file's dns:///NAME:PORT entries are resolved again (workers join
     and leave as the name's addresses change)."""
@@ -53,7 +57,7 @@ class RouterConfig(ServerConfig):
             raise ValueError(
                 "refresh_interval_s, check_timeout_s and dns_interval_s must be positive"
             )
-        if self.stall_steps <= 0 or self.stall_floor_s <= 0:
-            raise ValueError("stall_steps and stall_floor_s must be positive")
+        if self.stall_steps <= 0 or self.stall_floor_s <= 0 or self.stall_step_tokens <= 0:
+            raise ValueError("stall_steps, stall_floor_s and stall_step_tokens must be positive")
         if self.load_cost_tokens < 0 or self.lease_ttl_ms < 0:
             raise ValueError("load_cost_tokens and lease_ttl_ms must be >= 0")

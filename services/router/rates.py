@@ -97,6 +97,15 @@ class RateBook:
             sample if rates.step_s is None else rates.step_s + weight * (sample - rates.step_s)
         )
 
+    def prefill_s(self, address: str, tokens: int) -> float | None:
+        """The worker's measured time for a prefill of `tokens` uncached tokens; None before
+        any."""
+        fit = self._of_known(address).prefill
+        if fit is None:
+            return None
+        base, per_token = fit.line()
+        return base + per_token * tokens
+
     def step_s(self, address: str) -> float | None:
         """The worker's measured time between two tokens; None before any."""
         rates = self._workers.get(address)

@@ -71,3 +71,11 @@ def test_tier_rates_average_the_measured_workers() -> None:
     # Only the workers asked about (those in rotation) count.
     only = book.tier_rates(["p0"], ["d0"])
     assert only is not None and only.decode_s_per_token == pytest.approx(0.04)
+
+
+def test_prefill_time_follows_the_measured_line() -> None:
+    book = RateBook()
+    assert book.prefill_s("p0", 1024) is None
+    book.observe_prefill("p0", 100, 0.3)
+    book.observe_prefill("p0", 500, 1.1)
+    assert book.prefill_s("p0", 1024) == pytest.approx(0.1 + 1024 * 0.002)
