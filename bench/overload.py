@@ -306,6 +306,7 @@ async def fixed_gateway(services: list[StackService], port_offset: int) -> Async
     port = FIXED_GATEWAY_PORT + port_offset
     args[args.index("--port") + 1] = str(port)
     args[args.index("--metrics-port") + 1] = "-1"
+    args[args.index("--http-port") + 1] = "-1"  # the stack's gateway serves the HTTP door
     old = dataclasses.replace(
         gateway,
         name="gateway-old",
@@ -437,6 +438,15 @@ def timeline(
     return rows
 
 
+def given_capacity(per_s: float) -> dict[str, Any]:
+    """--capacity: the load's unit given, not measured (runs that compare code paths on a
+    machine whose measured capacity varies from run to run load it the same)."""
+    with timed_region() as region:
+        pass
+    return {"given": True, "clients": 0, "seconds": 0.0, "requests_per_s": per_s,
+            "finishes": {}, "failures": {}, "region": asdict(region)}  # fmt: skip
+
+
 def run_seconds(load: float, args: argparse.Namespace) -> float:
     return args.goal_seconds if load == GOAL_LOAD else args.seconds
 
@@ -458,8 +468,10 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 await closed_loop(
                     address, args.capacity_clients, args.warmup_seconds, args, progress
                 )
-            capacity = await closed_loop(
-                old, args.capacity_clients, args.capacity_seconds, args, progress
+            capacity = (
+                await closed_loop(old, args.capacity_clients, args.capacity_seconds, args, progress)
+                if args.capacity is None
+                else given_capacity(args.capacity)
             )
             report["capacity"] = capacity
             per_s = capacity["requests_per_s"]
@@ -595,9 +607,7 @@ def markdown(report: dict[str, Any], command: str) -> str:
         f"`--max-in-flight` 64, shed only when the queue wait alone exceeds the deadline). "
         f"Requests: {work['prompt_words']}-word prompts, {work['output_tokens']} output tokens "
         "(EOS ignored), half interactive with a 10 s deadline, half batch with 30 s, Poisson "
-        f"arrivals. Capacity: {cap['requests_per_s']:.2f} whole answers/s with "
-        f"{cap['clients']} clients back to back through the old gateway for "
-        f"{cap['seconds']:.0f} s. Each load ran {work['seconds']:.0f} s "
+        f"arrivals. Capacity: {capacity_text(cap)}. Each load ran {work['seconds']:.0f} s "
         f"({work['goal_seconds']:.0f} s at {GOAL_LOAD}x) and was drained. Goodput: whole "
         "answers within their deadline per second from the first arrival to the last answer "
         "(drained; the goal's), and per second of arrivals; wasted: requests admitted that "
@@ -620,6 +630,15 @@ def markdown(report: dict[str, Any], command: str) -> str:
         )
     lines += ["", *verdicts(report)]
     return "\n".join(lines) + "\n"
+
+
+def capacity_text(cap: dict[str, Any]) -> str:
+    if cap.get("given"):
+        return f"{cap['requests_per_s']:.2f} requests/s, given with --capacity (not measured)"
+    return (
+        f"{cap['requests_per_s']:.2f} whole answers/s with {cap['clients']} clients back to "
+        f"back through the old gateway for {cap['seconds']:.0f} s"
+    )
 
 
 def print_table(report: dict[str, Any], console: Console) -> None:
@@ -720,6 +739,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--capacity-clients", type=int, default=64, help="the old gateway's --max-in-flight"
     )
     parser.add_argument("--capacity-seconds", type=int, default=None, help="default 30, quick 15")
+    parser.add_argument("--capacity", type=float, default=None,
+                        help="requests/s taken as the capacity, not measured")  # fmt: skip
     parser.add_argument("--warmup-seconds", type=int, default=10)
     parser.add_argument("--prompt-words", type=int, default=48)
     parser.add_argument("--output-tokens", type=int, default=32)
