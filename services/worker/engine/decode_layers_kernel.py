@@ -80,7 +80,7 @@ class DecodeLayers:
         linear, rope_store, attention = kernels
         config = model.config
         layers = model.decoder_layers()
-        self.max_rows = linear.max_rows
+        self._linear = linear
         self._function = library.decode_layers
         self._function.restype = ctypes.c_int
         self._function.argtypes = [_POINTER, _POINTER, _INT, _POINTER, _INT, *[_POINTER] * 4, _INT]
@@ -111,6 +111,11 @@ class DecodeLayers:
             entry.value_cache = cache.value_blocks.data_ptr()
         self._layers = table
         self._num_layers = len(layers)
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a step it runs may have: the small-batch linear kernel's."""
+        return self._linear.max_rows
 
     def __call__(
         self,

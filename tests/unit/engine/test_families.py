@@ -175,9 +175,7 @@ def test_greedy_across_the_kernels_row_thresholds_matches_transformers(
         return project(module, x, **fused)
 
     assert isinstance(project, SmallBatchLinear)
-    project.max_rows = WIDE_MAX_ROWS
-    if engine.runner.decode_layers is not None:
-        engine.runner.decode_layers.max_rows = WIDE_MAX_ROWS
+    project.max_rows = WIDE_MAX_ROWS  # the one-call decode layers follow it
     engine.runner.project = recorded
     # Six prompts at once (more prefill rows than TRANSPOSED_MAX_ROWS), then one per step.
     arrivals = {0: [EngineRequest(f"r{i}", prompts[i], GREEDY) for i in range(6)]}
