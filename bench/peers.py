@@ -88,8 +88,6 @@ TCMALLOC = (
 # kvmesh's default large-batch projections first (its figures), then the alternative.
 LARGE_BATCH_MODES = ("onednn", "torch")
 STEP_REPEATS = 7
-# Rows of each step steps_child times.
-STEP_ROWS = {"prefill_512": 512, "decode_32": 32, "decode_1": 1}
 KV_CACHE_GIB = 3  # 64 x 640 tokens of fp32 KV is ~1.9 GB
 
 
@@ -413,6 +411,9 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         "matmul_peak_flops": peak,
         "step_s": seconds,
         "step_s_by_large_batch_linear": by_mode,
+        "step_rows": {
+            name: sum(len(entry.token_ids) for entry in batch) for name, batch in batches.items()
+        },
         # Steps of up to this many rows run on the small-batch kernel whatever the mode.
         "small_batch_max_rows": getattr(project, "max_rows", 0),
         "step_flops": flops,
@@ -1097,7 +1098,7 @@ def step_lines(report: Report) -> list[str]:
     )
     onednn, plain = (steps["step_s_by_large_batch_linear"][m] for m in LARGE_BATCH_MODES)
     kernel_rows = steps["small_batch_max_rows"]
-    larger = [name for name in onednn if STEP_ROWS[name] > kernel_rows]
+    larger = [name for name in onednn if steps["step_rows"][name] > kernel_rows]
     lines.append(
         f"- projections of steps of more than {kernel_rows} rows (the small-batch kernel's "
         "limit on this CPU) on oneDNN with reordered weights (the default) vs torch's matmul, "
