@@ -18,18 +18,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import mmap
 import weakref
 
 import torch
 from torch import nn
 
+from services.worker.engine.huge_pages import huge_page_bytes
 from services.worker.engine.kernel_build import choose_kernel, load_library
 from services.worker.engine.models.llama import RMSNorm, project_with_torch, projection_input
 from services.worker.engine.quant import Int8Linear
 
-# Transparent huge pages' size on x86 and most ARM kernels.
-HUGE_PAGE_BYTES = 2 << 20
 # Models whose streamed weights already live in a huge-page buffer (place_weights).
 _PLACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -231,13 +229,10 @@ class PackedLinear:
 
 def place_weights(model: nn.Module) -> None:
     """Moves the weights the kernel streams (every projection kernel_weights names, tied ones
-    once) into one buffer asked for on transparent huge pages, in the order a step reads them,
-    each starting on a cache line. On 4 KiB pages the hardware prefetcher stops at every page
-    boundary and each page costs a TLB miss: SmolLM2-135M's batch-1 projections took 8-10%
-    less kernel time per step on 2 MiB pages (AMD EPYC Zen 4, 2 cores, steps alternated
-    between a placed and an unplaced copy in one process). Where the kernel gives no huge
-    pages (transparent_hugepage "never") the buffer is plain memory and nothing else changes.
-    Once per model."""
+    once) into one buffer on huge pages (huge_pages.py), in the order a step reads them, each
+    starting on a cache line: SmolLM2-135M's batch-1 projections took 8-10% less kernel time
+    per step on 2 MiB pages (AMD EPYC Zen 4, 2 cores, steps alternated between a placed and an
+    unplaced copy in one process). Once per model."""
     if model in _PLACED:
         return
     tensors: dict[int, torch.Tensor] = {}
@@ -251,18 +246,10 @@ def place_weights(model: nn.Module) -> None:
         offsets.append(total)
         total += -(-tensor.numel() * tensor.element_size() // line) * line
     if total:
-        # Private: shared anonymous memory is shmem, whose huge pages are a separate setting
-        # (shmem_enabled, "never" by default).
-        buffer = mmap.mmap(-1, total + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            buffer.madvise(mmap.MADV_HUGEPAGE)
-        # The tensors made from it keep the buffer alive.
-        memory = torch.frombuffer(buffer, dtype=torch.uint8)
-        start = -memory.data_ptr() % HUGE_PAGE_BYTES
+        memory = huge_page_bytes(total)
         for tensor, offset in zip(tensors.values(), offsets, strict=True):
             size = tensor.numel() * tensor.element_size()
-            begin = start + offset
-            placed = memory[begin : begin + size].view(tensor.dtype).view(tensor.shape)
+            placed = memory[offset : offset + size].view(tensor.dtype).view(tensor.shape)
             tensor.data = placed.copy_(tensor)
     _PLACED.add(model)
 

@@ -30,6 +30,7 @@ from services.worker.engine.decode_layers_kernel import (
     decode_layers_library,
     expressible,
 )
+from services.worker.engine.huge_pages import huge_page_bytes
 from services.worker.engine.kernel_build import KernelUnavailable
 from services.worker.engine.linear_kernel import SmallBatchLinear, place_weights
 from services.worker.engine.loader import LoadedModel, dtype_name
@@ -103,10 +104,10 @@ class ModelRunner:
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
         )
-        self.kv_cache = torch.zeros(
+        self.kv_cache = kv_cache_tensor(
             (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
-            dtype=loaded.dtype,
-            device=loaded.device,
+            loaded.dtype,
+            loaded.device,
         )
         self._layer_caches = [LayerKvCache.of(layer_kv) for layer_kv in self.kv_cache.unbind(0)]
         self.decode_layers = (
@@ -345,6 +346,18 @@ class ModelRunner:
         if window is not None:
             blocked |= key_positions <= query_positions - window
         return self._additive_mask(blocked).to(self.device)
+
+
+def kv_cache_tensor(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The zeroed KV cache. On the CPU on huge pages (huge_pages.py): decode attention reads
+    each row's blocks scattered over it, 2-3 pages a block on 4 KiB pages (32 rows of 301
+    tokens x 30 layers, 2 cores of an AMD EPYC Zen 5, side by side: 12.6 vs 14.8 ms)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = math.prod(shape) * dtype.itemsize
+    return huge_page_bytes(size).view(dtype).view(shape)
 
 
 # Padding blocks one extra decode group is worth: the group's extra gathers and SDPA call

@@ -11,6 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from services.worker.engine.decode_kernel import load_decode_kernel
+from services.worker.engine.huge_pages import HUGE_PAGE_BYTES
 from services.worker.engine.linear_kernel import load_linear_kernel
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model_runner import (
@@ -148,6 +149,22 @@ def test_blocks_round_trip_between_runners(tiny_loaded: LoadedModel) -> None:
     # The follow-up token was written into block 3 by `source`; recompute it on the target.
     got = target.forward([BatchEntry(follow, 37, [8, 0, 5])])
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_the_cpu_kv_cache_starts_zeroed_on_a_huge_page(tiny_loaded: LoadedModel) -> None:
+    runner = ModelRunner(tiny_loaded, num_blocks=3)
+    config = tiny_loaded.config
+    assert runner.kv_cache.shape == (
+        config.num_layers,
+        2,
+        3,
+        BLOCK_SIZE,
+        config.num_kv_heads,
+        config.head_dim,
+    )
+    assert runner.kv_cache.dtype == tiny_loaded.dtype and runner.kv_cache.is_contiguous()
+    assert runner.kv_cache.data_ptr() % HUGE_PAGE_BYTES == 0
+    assert not runner.kv_cache.any()
 
 
 def test_write_block_rejects_wrong_size_and_bad_ids(tiny_loaded: LoadedModel) -> None:
