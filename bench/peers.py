@@ -85,8 +85,14 @@ TCMALLOC = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
     "/usr/lib64/libtcmalloc_minimal.so.4",
 )
-# kvmesh's default large-batch projections first (its figures), then the alternative.
-LARGE_BATCH_MODES = ("onednn", "torch")
+# kvmesh's default large-batch projections first (its figures), then the alternatives.
+LARGE_BATCH_MODES = ("auto", "onednn", "torch")
+# What runs the larger steps' projections, by SmallBatchLinear.large's type.
+LARGE_PRODUCTS = {
+    "PanelLinear": "the panel kernel",
+    "PackedLinear": "oneDNN on reordered weights",
+    "NoneType": "torch's matmul",
+}
 STEP_REPEATS = 7
 KV_CACHE_GIB = 3  # 64 x 640 tokens of fp32 KV is ~1.9 GB
 
@@ -416,6 +422,7 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         },
         # Steps of up to this many rows run on the small-batch kernel whatever the mode.
         "small_batch_max_rows": getattr(project, "max_rows", 0),
+        "large_batch_product": type(getattr(project, "large", None)).__name__,
         "step_flops": flops,
         "weight_bytes": weight_bytes(loaded),
         "copy_bytes_per_s": copy_bandwidth(),
@@ -1096,14 +1103,19 @@ def step_lines(report: Report) -> list[str]:
         f"floor ({steps['weight_bytes'] / 1e6:.0f} MB at {steps['copy_bytes_per_s'] / 1e9:.1f} "
         f"GB/s copy bandwidth) = {one / floor:.2f}x."
     )
-    onednn, plain = (steps["step_s_by_large_batch_linear"][m] for m in LARGE_BATCH_MODES)
+    default, onednn, plain = (steps["step_s_by_large_batch_linear"][m] for m in LARGE_BATCH_MODES)
     kernel_rows = steps["small_batch_max_rows"]
-    larger = [name for name in onednn if steps["step_rows"][name] > kernel_rows]
+    larger = [name for name in default if steps["step_rows"][name] > kernel_rows]
+    product = LARGE_PRODUCTS[steps["large_batch_product"]]
     lines.append(
-        f"- projections of steps of more than {kernel_rows} rows (the small-batch kernel's "
-        "limit on this CPU) on oneDNN with reordered weights (the default) vs torch's matmul, "
-        "side by side: "
-        + ", ".join(f"{name} {onednn[name] / plain[name]:.2f}x the time" for name in larger)
+        f"- steps of more than {kernel_rows} rows (the small-batch kernel's limit on this CPU), "
+        f"their projections on {product} (the default) vs oneDNN on reordered weights / "
+        "torch's matmul, side by side: "
+        + ", ".join(
+            f"{name} {default[name] / onednn[name]:.2f}x / {default[name] / plain[name]:.2f}x "
+            "the time"
+            for name in larger
+        )
         + "."
     )
     for system, runs in report.offline.items():

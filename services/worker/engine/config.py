@@ -10,7 +10,7 @@ QUANTIZATIONS = ("none", "int8")
 ATTENTION_MODES = ("auto", "kernel", "sdpa")  # decode_attention and prefill_attention
 KERNEL_OR_TORCH = ("auto", "kernel", "torch")  # small_batch_linear and rope_store
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
-LARGE_BATCH_LINEAR = ("auto", "onednn", "torch")
+LARGE_BATCH_LINEAR = ("auto", "panels", "onednn", "torch")
 
 
 @dataclass(slots=True)
@@ -91,10 +91,12 @@ class EngineConfig:
     """Compiled constraints kept per engine (least recently used dropped beyond this)."""
     large_batch_linear: str = "auto"
     """Where the small-batch kernel runs, how the float32 projections of steps of more rows
-    (larger decode batches, prefill chunks) run: "onednn" (oneDNN's matmul on weights
-    reordered once into its layout: a second copy of the weights in memory), "torch" (torch's
-    transposed product up to 128 rows, its plain product beyond), or "auto" (oneDNN where
-    torch has it)."""
+    (larger decode batches, prefill chunks) run: "panels" (the panel kernel,
+    kernels/panel_linear.c, on weights packed once into panels of output columns), "onednn"
+    (oneDNN's matmul on weights reordered once into its layout; either keeps a second copy of
+    the weights in memory), "torch" (torch's transposed product up to 128 rows, its plain
+    product beyond), or "auto" (the panel kernel where the kernels are built for AVX-512,
+    else oneDNN where torch has it)."""
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""

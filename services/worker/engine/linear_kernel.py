@@ -10,8 +10,10 @@ oneDNN, they run as oneDNN's matmul on weights reordered once into its blocked l
 (PackedLinear), which skips the packing that torch's matmul does on every call and, on an
 AVX-512 CPU, runs oneDNN's AVX-512 code where torch's MKL product keeps to AVX2 on AMD (AMD
 EPYC Zen 5, 2 cores, side by side: 512-token prefill steps 0.45x the time, 32-row decode
-steps 0.78x, 64-row 0.52x). Without oneDNN, steps of up to TRANSPOSED_MAX_ROWS rows use
-torch's transposed product, larger ones its plain product.
+steps 0.78x, 64-row 0.52x). Where the kernels are built for AVX-512 they run on the panel
+kernel instead (PanelLinear, kernels/panel_linear.c), faster again there. Without either,
+steps of up to TRANSPOSED_MAX_ROWS rows use torch's transposed product, larger ones its plain
+product.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -39,6 +42,10 @@ _PLACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 MAX_ROWS_BY_LANES = {8: 48, 16: 16}
 # For a vector width not measured (NEON's 4 floats).
 DEFAULT_MAX_ROWS = 16
+# The kernels' vector widths (kernel_lanes) on which "auto" runs the steps of more rows on the
+# panel kernel instead of oneDNN: AVX-512's 16, measured faster there (kernels/panel_linear.c);
+# AVX2 keeps oneDNN until measured on an AVX2 CPU.
+PANELS_BY_DEFAULT_LANES = frozenset({16})
 # From there up to this many rows, torch's matmul (MKL) is faster asked for the transposed
 # product W x^T than for x W^T (measured on the target CPU, side by side: decode steps of 32
 # rows 16% shorter, of 64 rows 10%; at 512 rows the plain product is faster again).
@@ -61,12 +68,12 @@ class SmallBatchLinear:
         library: ctypes.CDLL,
         num_threads: int,
         max_rows: int | None = None,
-        packed: PackedLinear | None = None,
+        large: LargeProduct | None = None,
     ) -> None:
         """max_rows: the most rows it computes (by default MAX_ROWS_BY_LANES for the
-        kernel's vector width); packed: runs the float32 projections of more rows when given
-        (instead of torch's products)."""
-        self._packed = packed
+        kernel's vector width); large: runs the float32 projections of more rows when given
+        (instead of torch's products): oneDNN's (PackedLinear) or the panel kernel's."""
+        self.large = large
         self.function = library.small_batch_linear
         self.function.restype = ctypes.c_int
         self.function.argtypes = [
@@ -85,9 +92,7 @@ class SmallBatchLinear:
         ]
         self.num_threads = num_threads
         if max_rows is None:
-            library.small_batch_linear_lanes.restype = ctypes.c_int
-            lanes = library.small_batch_linear_lanes()
-            max_rows = MAX_ROWS_BY_LANES.get(lanes, DEFAULT_MAX_ROWS)
+            max_rows = MAX_ROWS_BY_LANES.get(kernel_lanes(library), DEFAULT_MAX_ROWS)
         self.max_rows = max_rows
 
     def __call__(
@@ -105,9 +110,9 @@ class SmallBatchLinear:
         if x.shape[0] > self.max_rows or (residual is not None and not residual.is_contiguous()):
             weight, scales, bias = weights
             if scales is None:
-                if self._packed is not None:
+                if self.large is not None:
                     x = self.projection_input(x, norm, gated)
-                    return self._packed(weight, x, residual, bias)
+                    return self.large(weight, x, residual, bias)
                 if x.shape[0] <= TRANSPOSED_MAX_ROWS:
                     x = projection_input(x, norm, gated)
                     return transposed_product(weight, x, residual, bias)
@@ -190,21 +195,43 @@ def transposed_product(
     return residual if bias is None else residual.add_(bias)
 
 
+class CopyPerWeight:
+    """A copy of each weight in a product's own layout, made on first use; it lives as long
+    as its weight (a second copy of the weights in memory)."""
+
+    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._make = make
+        # id of a weight -> its copy; the entry goes when the weight is freed.
+        self._copies: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        key = id(weight)
+        copy = self._copies.get(key)
+        if copy is None:
+            copy = self._make(weight)
+            self._copies[key] = copy
+            weakref.finalize(weight, self._copies.pop, key, None)
+        return copy
+
+
 class PackedLinear:
-    """x W^T by oneDNN on W reordered once (on first use) into oneDNN's blocked layout. A
-    reordered copy lives as long as its weight: a second copy of the weights in memory."""
+    """x W^T by oneDNN on W reordered once (on first use) into oneDNN's blocked layout."""
 
     # oneDNN's reorder takes a row count to tune the layout for; on 1 thread it was as fast
     # from 24 to 512 rows whichever of 32, 128 or 512 it was given (measured).
     ROWS_HINT = 128
 
     def __init__(self) -> None:
-        # id of a weight -> its reorder; the entry goes when the weight is freed.
-        self._reordered: dict[int, torch.Tensor] = {}
+        self._reorder = CopyPerWeight(
+            lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, self.ROWS_HINT)
+        )
 
     @property
-    def num_reordered(self) -> int:
-        return len(self._reordered)
+    def num_copies(self) -> int:
+        return len(self._reorder)
 
     def __call__(
         self,
@@ -217,14 +244,70 @@ class PackedLinear:
         y = torch.ops.mkldnn._linear_pointwise(x, self._reorder(weight), bias, "none", [], "")
         return y if residual is None else residual.add_(y)
 
-    def _reorder(self, weight: torch.Tensor) -> torch.Tensor:
-        key = id(weight)
-        reordered = self._reordered.get(key)
-        if reordered is None:
-            reordered = torch.ops.mkldnn._reorder_linear_weight(weight, self.ROWS_HINT)
-            self._reordered[key] = reordered
-            weakref.finalize(weight, self._reordered.pop, key, None)
-        return reordered
+
+class PanelLinear:
+    """x W^T by the panel kernel (kernels/panel_linear.c) on W packed once (on first use)
+    into panels of output columns."""
+
+    def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
+        self.function = library.panel_linear
+        self.function.restype = None
+        self.function.argtypes = [
+            *(_POINTER, _INT, _INT, _INT),  # x, rows, x row stride, ins
+            *(_POINTER, _POINTER, _INT),  # panels, bias (or NULL), outs
+            *(_POINTER, ctypes.c_int, ctypes.c_int),  # y, accumulate, threads
+        ]
+        pack = library.panel_linear_pack
+        pack.restype = None
+        pack.argtypes = [_POINTER, _INT, _INT, _POINTER]  # weight, outs, ins, panels
+        library.panel_linear_width.restype = ctypes.c_int
+        width = library.panel_linear_width()
+
+        def packed(weight: torch.Tensor) -> torch.Tensor:
+            outs, ins = weight.shape
+            panels = weight.new_empty(-(-outs // width) * ins * width)
+            pack(weight.contiguous().data_ptr(), outs, ins, panels.data_ptr())
+            return panels
+
+        self._pack = CopyPerWeight(packed)
+        self.num_threads = num_threads
+
+    @property
+    def num_copies(self) -> int:
+        return len(self._pack)
+
+    def __call__(
+        self,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x W^T + bias (+ residual, added in place by the kernel where it is contiguous)."""
+        outs, ins = weight.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        into = residual is not None and residual.is_contiguous()
+        y = residual if residual is not None and into else x.new_empty(x.shape[0], outs)
+        self.function(
+            x.data_ptr(),
+            x.shape[0],
+            x.stride(0),
+            ins,
+            self._pack(weight).data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            outs,
+            y.data_ptr(),
+            into,
+            self.num_threads,
+        )
+        if residual is None or into:
+            return y
+        return residual.add_(y)
+
+
+# The product of steps larger than the small-batch kernel takes.
+LargeProduct = PackedLinear | PanelLinear
 
 
 def place_weights(model: nn.Module) -> None:
@@ -280,22 +363,38 @@ def choose_linear_kernel(
     large_mode: str = "auto",
 ) -> SmallBatchLinear | None:
     """The kernel for EngineConfig.small_batch_linear ("auto" | "kernel" | "torch"), or None
-    for torch's matmul (see kernel_build.choose_kernel), with PackedLinear for the larger
-    steps per EngineConfig.large_batch_linear ("auto" | "onednn" | "torch")."""
+    for torch's matmul (see kernel_build.choose_kernel), its larger steps on the product
+    EngineConfig.large_batch_linear names (large_product)."""
     if large_mode == "onednn" and not onednn_available():
         raise ValueError("large_batch_linear='onednn' needs a torch built with oneDNN")
-    packed = large_mode != "torch" and onednn_available()
     return choose_kernel(
-        mode, "torch", device, dtype, lambda: load_linear_kernel(num_threads, packed)
+        mode, "torch", device, dtype, lambda: load_linear_kernel(num_threads, large_mode)
     )
 
 
 @functools.cache
-def load_linear_kernel(num_threads: int, packed: bool = False) -> SmallBatchLinear:
-    """The kernel, compiled on first use (KernelUnavailable when it cannot be); with packed,
-    its larger steps run on PackedLinear."""
-    return SmallBatchLinear(
-        load_library("small_batch_linear"),
-        num_threads,
-        packed=PackedLinear() if packed else None,
-    )
+def load_linear_kernel(num_threads: int, large_mode: str = "torch") -> SmallBatchLinear:
+    """The kernel, compiled on first use (KernelUnavailable when it cannot be), its larger
+    steps on large_product(large_mode)."""
+    library = load_library("small_batch_linear")
+    large = large_product(large_mode, kernel_lanes(library), num_threads)
+    return SmallBatchLinear(library, num_threads, large=large)
+
+
+def large_product(mode: str, lanes: int, num_threads: int) -> LargeProduct | None:
+    """The product of the larger steps for EngineConfig.large_batch_linear: "panels" the panel
+    kernel, "onednn" PackedLinear, "torch" None (torch's products); "auto" the panel kernel
+    where the kernels' vectors are PANELS_BY_DEFAULT_LANES floats wide, else oneDNN where
+    torch has it."""
+    if mode == "auto":
+        default = "onednn" if onednn_available() else "torch"
+        mode = "panels" if lanes in PANELS_BY_DEFAULT_LANES else default
+    if mode == "panels":
+        return PanelLinear(load_library("panel_linear"), num_threads)
+    return PackedLinear() if mode == "onednn" else None
+
+
+def kernel_lanes(library: ctypes.CDLL) -> int:
+    """The floats in the small-batch kernel's vectors, as built for this CPU."""
+    library.small_batch_linear_lanes.restype = ctypes.c_int
+    return int(library.small_batch_linear_lanes())

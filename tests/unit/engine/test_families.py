@@ -148,15 +148,15 @@ def hf_wide_greedy(family_dir: Path, wide_prompts: list[list[int]]) -> list[list
     return transformers_greedy(family_dir, wide_prompts, NUM_NEW)
 
 
-@pytest.mark.parametrize("large", ["onednn", "torch"])
+@pytest.mark.parametrize("large", ["panels", "onednn", "torch"])
 def test_greedy_across_the_kernels_row_thresholds_matches_transformers(
     loaded: LoadedModel,
     wide_prompts: list[list[int]],
     hf_wide_greedy: list[list[int]],
     large: str,
 ) -> None:
-    """The small-batch kernel, then oneDNN on reordered weights or torch's transposed and
-    plain products (large_batch_linear), each adding Qwen2's Q/K/V bias itself: steps of 1 to
+    """The small-batch kernel, then the panel kernel, oneDNN on reordered weights or torch's
+    transposed and plain products (large_batch_linear), each adding Qwen2's Q/K/V bias itself: steps of 1 to
     16 rows, 17 to 128 and more than 128 in one continuous batch all give transformers'
     greedy tokens."""
     prompts = wide_prompts

@@ -13,9 +13,13 @@ import torch
 
 from services.worker.engine import kernel_build
 from services.worker.engine.decode_kernel import choose_decode_kernel, load_decode_kernel
-from services.worker.engine.kernel_build import KernelUnavailable
+from services.worker.engine.kernel_build import KernelUnavailable, load_library
 from services.worker.engine.linear_kernel import (
+    PANELS_BY_DEFAULT_LANES,
+    PackedLinear,
+    PanelLinear,
     choose_linear_kernel,
+    kernel_lanes,
     load_linear_kernel,
     onednn_available,
 )
@@ -30,6 +34,7 @@ KERNELS = (
     "decode_layers",
     "paged_decode_attention",
     "paged_prefill_attention",
+    "panel_linear",
     "rope_and_store",
     "small_batch_linear",
 )
@@ -47,7 +52,7 @@ def test_every_kernel_source_is_built() -> None:
         (choose_rope_store_kernel, load_rope_store_kernel, "torch"),
         (
             choose_linear_kernel,
-            lambda threads: load_linear_kernel(threads, onednn_available()),
+            lambda threads: load_linear_kernel(threads, "auto"),
             "torch",
         ),
     ],
@@ -127,11 +132,17 @@ def test_a_changed_header_builds_the_kernel_again(
     assert kernel_build.load_library("uses").uses() == 2
 
 
-def test_large_steps_take_onednn_unless_told_not_to() -> None:
-    onednn = choose_linear_kernel("auto", CPU, torch.float32, 1, "onednn")
-    plain = choose_linear_kernel("auto", CPU, torch.float32, 1, "torch")
-    assert onednn is load_linear_kernel(1, True) and plain is load_linear_kernel(1, False)
-    assert onednn is not plain
+@pytest.mark.parametrize("large", ["auto", "panels", "onednn", "torch"])
+def test_large_steps_take_the_product_they_are_told(large: str) -> None:
+    chosen = choose_linear_kernel("auto", CPU, torch.float32, 1, large)
+    assert chosen is load_linear_kernel(1, large)
+    assert chosen is not None
+    products = {"panels": PanelLinear, "onednn": PackedLinear, "torch": type(None)}
+    if large == "auto":  # by the kernels' vector width, as built for this CPU
+        lanes = kernel_lanes(load_library("small_batch_linear"))
+        default = "onednn" if onednn_available() else "torch"
+        large = "panels" if lanes in PANELS_BY_DEFAULT_LANES else default
+    assert type(chosen.large) is products[large]
 
 
 @pytest.mark.parametrize(

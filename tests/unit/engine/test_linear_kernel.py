@@ -18,7 +18,9 @@ from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import (
     MAX_ROWS_BY_LANES,
     TRANSPOSED_MAX_ROWS,
+    LargeProduct,
     PackedLinear,
+    PanelLinear,
     SmallBatchLinear,
     load_linear_kernel,
     place_weights,
@@ -244,27 +246,39 @@ def test_transposed_product_matches(rows: int, fused: str) -> None:
         torch.testing.assert_close(residual, call.expected(module), atol=1e-4, rtol=1e-4)
 
 
+def large_products() -> dict[str, Callable[[], LargeProduct]]:
+    """The products of larger steps (large_batch_linear), each made afresh."""
+    return {
+        "onednn": PackedLinear,
+        "panels": lambda: PanelLinear(load_library("panel_linear"), 2),
+    }
+
+
+# 100 outputs: three whole panels and a part of one on AVX-512, six and a part on AVX2.
+@pytest.mark.parametrize("large", ["onednn", "panels"])
 @pytest.mark.parametrize("fused", ["", "norm", "gated+residual", "bias", "norm+bias+residual"])
-def test_larger_steps_run_on_weights_reordered_once(fused: str) -> None:
-    packed = PackedLinear()
-    project = SmallBatchLinear(load_library("small_batch_linear"), 1, max_rows=4, packed=packed)
-    module = linear(64, 96, torch.Generator().manual_seed(3), bias="bias" in fused)
-    for rows in (5, TRANSPOSED_MAX_ROWS, 512):  # prefill chunks too
-        call = FusedCall.of(64, 96, rows, fused, seed=rows)
+def test_larger_steps_run_on_weights_laid_out_once(fused: str, large: str) -> None:
+    packed = large_products()[large]()
+    project = SmallBatchLinear(load_library("small_batch_linear"), 1, max_rows=4, large=packed)
+    module = linear(64, 100, torch.Generator().manual_seed(3), bias="bias" in fused)
+    # Every remainder of the panel kernel's row tiles (6 or 8 rows), and prefill chunks.
+    for rows in (*range(5, 18), TRANSPOSED_MAX_ROWS, 512):
+        call = FusedCall.of(64, 100, rows, fused, seed=rows)
         torch.testing.assert_close(
             call.run(project, module), call.expected(module), atol=1e-4, rtol=1e-4
         )
         if call.residual is not None:
-            residual = call.residual.clone()
-            with torch.inference_mode():
-                got = project(
-                    module, call.x.clone(), norm=call.norm, gated=call.gated, residual=residual
-                )
-            assert got is residual
-            torch.testing.assert_close(residual, call.expected(module), atol=1e-4, rtol=1e-4)
-    assert packed.num_reordered == 1  # reordered on first use, then reused
+            # Added into in place, whether its rows are contiguous or not.
+            for residual in (call.residual.clone(), call.residual.t().contiguous().t()):
+                with torch.inference_mode():
+                    got = project(
+                        module, call.x.clone(), norm=call.norm, gated=call.gated, residual=residual
+                    )
+                assert got is residual
+                torch.testing.assert_close(residual, call.expected(module), atol=1e-4, rtol=1e-4)
+    assert packed.num_copies == 1  # laid out on first use, then reused
     del module, call
-    assert packed.num_reordered == 0  # the reorder went with its weight
+    assert packed.num_copies == 0  # the copy went with its weight
 
 
 def test_streamed_weights_are_placed_in_one_buffer_in_reading_order() -> None:

@@ -36,12 +36,12 @@ def tiny_hf(tiny_llama_dir: Path) -> LlamaForCausalLM:
     return LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(params=["torch", "kernels", "kernels+onednn"])
+@pytest.fixture(params=["torch", "kernels+torch", "kernels+onednn", "kernels+panels"])
 def kernels(request: pytest.FixtureRequest) -> dict[str, Any]:
     """Every way a CPU step runs: torch alone (SDPA decode groups, flash-attention prefill,
     RoPE and K/V stores as torch ops, torch matmuls), the C kernels (paged decode and prefill
     attention, RoPE with the K/V store, small-batch projections) with torch's matmul for
-    larger steps, and with oneDNN on reordered weights for them."""
+    larger steps, with oneDNN on reordered weights for them, and with the panel kernel."""
     if request.param == "torch":
         return {}
     threads = torch.get_num_threads()
@@ -49,7 +49,7 @@ def kernels(request: pytest.FixtureRequest) -> dict[str, Any]:
         "decode_kernel": load_decode_kernel(threads),
         "prefill_kernel": load_prefill_kernel(threads),
         "rope_store_kernel": load_rope_store_kernel(threads),
-        "linear_kernel": load_linear_kernel(threads, request.param == "kernels+onednn"),
+        "linear_kernel": load_linear_kernel(threads, request.param.removeprefix("kernels+")),
     }
 
 
