@@ -156,9 +156,9 @@ def test_greedy_across_the_kernels_row_thresholds_matches_transformers(
     large: str,
 ) -> None:
     """The small-batch kernel, then the panel kernel, oneDNN on reordered weights or torch's
-    transposed and plain products (large_batch_linear), each adding Qwen2's Q/K/V bias itself: steps of 1 to
-    16 rows, 17 to 128 and more than 128 in one continuous batch all give transformers'
-    greedy tokens."""
+    transposed and plain products (large_batch_linear), each adding Qwen2's Q/K/V bias
+    itself: steps of 1 to 16 rows, 17 to 128 and more than 128 in one continuous batch all
+    give transformers' greedy tokens."""
     prompts = wide_prompts
     engine = make_engine(
         loaded,
