@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -68,7 +69,7 @@ class SmallBatchLinear:
         library: ctypes.CDLL,
         num_threads: int,
         max_rows: int | None = None,
-        large: LargeProduct | None = None,
+        large: LaidOutLinear | None = None,
     ) -> None:
         """max_rows: the most rows it computes (by default MAX_ROWS_BY_LANES for the
         kernel's vector width); large: runs the float32 projections of more rows when given
@@ -195,29 +196,40 @@ def transposed_product(
     return residual if bias is None else residual.add_(bias)
 
 
-class CopyPerWeight:
-    """A copy of each weight in a product's own layout, made on first use; it lives as long
-    as its weight (a second copy of the weights in memory)."""
+class LaidOutLinear(ABC):
+    """x W^T on a copy of each weight in the product's own layout, made on first use; a copy
+    lives as long as its weight (a second copy of the weights in memory)."""
 
-    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self._make = make
+    def __init__(self, lay_out: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._lay_out = lay_out
         # id of a weight -> its copy; the entry goes when the weight is freed.
         self._copies: dict[int, torch.Tensor] = {}
 
-    def __len__(self) -> int:
+    @property
+    def num_copies(self) -> int:
         return len(self._copies)
 
-    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+    def laid_out(self, weight: torch.Tensor) -> torch.Tensor:
         key = id(weight)
         copy = self._copies.get(key)
         if copy is None:
-            copy = self._make(weight)
+            copy = self._lay_out(weight)
             self._copies[key] = copy
             weakref.finalize(weight, self._copies.pop, key, None)
         return copy
 
+    @abstractmethod
+    def __call__(
+        self,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x W^T + bias (+ residual, added into it)."""
 
-class PackedLinear:
+
+class PackedLinear(LaidOutLinear):
     """x W^T by oneDNN on W reordered once (on first use) into oneDNN's blocked layout."""
 
     # oneDNN's reorder takes a row count to tune the layout for; on 1 thread it was as fast
@@ -225,13 +237,9 @@ class PackedLinear:
     ROWS_HINT = 128
 
     def __init__(self) -> None:
-        self._reorder = CopyPerWeight(
+        super().__init__(
             lambda weight: torch.ops.mkldnn._reorder_linear_weight(weight, self.ROWS_HINT)
         )
-
-    @property
-    def num_copies(self) -> int:
-        return len(self._reorder)
 
     def __call__(
         self,
@@ -240,12 +248,12 @@ class PackedLinear:
         residual: torch.Tensor | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x W^T + bias (oneDNN adds the bias as it writes each output) (+ residual)."""
-        y = torch.ops.mkldnn._linear_pointwise(x, self._reorder(weight), bias, "none", [], "")
+        """oneDNN adds the bias as it writes each output; the residual is added after."""
+        y = torch.ops.mkldnn._linear_pointwise(x, self.laid_out(weight), bias, "none", [], "")
         return y if residual is None else residual.add_(y)
 
 
-class PanelLinear:
+class PanelLinear(LaidOutLinear):
     """x W^T by the panel kernel (kernels/panel_linear.c) on W packed once (on first use)
     into panels of output columns."""
 
@@ -269,12 +277,8 @@ class PanelLinear:
             pack(weight.contiguous().data_ptr(), outs, ins, panels.data_ptr())
             return panels
 
-        self._pack = CopyPerWeight(packed)
+        super().__init__(packed)
         self.num_threads = num_threads
-
-    @property
-    def num_copies(self) -> int:
-        return len(self._pack)
 
     def __call__(
         self,
@@ -283,7 +287,7 @@ class PanelLinear:
         residual: torch.Tensor | None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x W^T + bias (+ residual, added in place by the kernel where it is contiguous)."""
+        """The kernel adds the bias, and the residual in place where it is contiguous."""
         outs, ins = weight.shape
         if x.stride(1) != 1:
             x = x.contiguous()
@@ -294,7 +298,7 @@ class PanelLinear:
             x.shape[0],
             x.stride(0),
             ins,
-            self._pack(weight).data_ptr(),
+            self.laid_out(weight).data_ptr(),
             None if bias is None else bias.data_ptr(),
             outs,
             y.data_ptr(),
@@ -304,10 +308,6 @@ class PanelLinear:
         if residual is None or into:
             return y
         return residual.add_(y)
-
-
-# The product of steps larger than the small-batch kernel takes.
-LargeProduct = PackedLinear | PanelLinear
 
 
 def place_weights(model: nn.Module) -> None:
@@ -381,7 +381,7 @@ def load_linear_kernel(num_threads: int, large_mode: str = "torch") -> SmallBatc
     return SmallBatchLinear(library, num_threads, large=large)
 
 
-def large_product(mode: str, lanes: int, num_threads: int) -> LargeProduct | None:
+def large_product(mode: str, lanes: int, num_threads: int) -> LaidOutLinear | None:
     """The product of the larger steps for EngineConfig.large_batch_linear: "panels" the panel
     kernel, "onednn" PackedLinear, "torch" None (torch's products); "auto" the panel kernel
     where the kernels' vectors are PANELS_BY_DEFAULT_LANES floats wide, else oneDNN where

@@ -18,7 +18,7 @@ from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import (
     MAX_ROWS_BY_LANES,
     TRANSPOSED_MAX_ROWS,
-    LargeProduct,
+    LaidOutLinear,
     PackedLinear,
     PanelLinear,
     SmallBatchLinear,
@@ -246,7 +246,7 @@ def test_transposed_product_matches(rows: int, fused: str) -> None:
         torch.testing.assert_close(residual, call.expected(module), atol=1e-4, rtol=1e-4)
 
 
-def large_products() -> dict[str, Callable[[], LargeProduct]]:
+def large_products() -> dict[str, Callable[[], LaidOutLinear]]:
     """The products of larger steps (large_batch_linear), each made afresh."""
     return {
         "onednn": PackedLinear,
