@@ -1,13 +1,15 @@
-"""All decoder layers of a small decode step in one C call (kernels/decode_layers.c).
+"""All decoder layers of a decode step in one C call (kernels/decode_layers.c).
 
 At batch 1 the kernels themselves (projections, RoPE + K/V store, attention) took 25 of a
 33.9 ms step and the Python around them, layer after layer, the other 8.8 ms on one thread
 (SmolLM2-135M, 2 cores of an Intel Xeon). decode_layers.c calls the same kernels in the same
 order with the same arguments, so a step's numbers are bit for bit those of the layer-by-layer
-path; it runs a step that holds only decode rows, no more than the small-batch linear kernel
-takes, of a model whose layers it can express (no per-head Q/K norm, every projection a
-float32 or int8 matrix the kernel reads). Such a step is tens of milliseconds: it is not
-interrupted between layers (an interactive arrival waits at most that).
+path; it runs a step that holds only decode rows of a model whose layers it can express (no
+per-head Q/K norm, every projection a float32 or int8 matrix the kernel reads): up to the
+small-batch linear kernel's rows, and up to FUSED_MAX_ROWS where the larger steps' projections
+run on the panel kernel (PanelLinear: decode_layers.c calls it as that path does). Such a step
+is tens of milliseconds: it is not interrupted between layers (an interactive arrival waits at
+most that).
 """
 
 from __future__ import annotations
@@ -21,16 +23,25 @@ import torch
 from services.worker.engine.attention import LayerKvCache
 from services.worker.engine.decode_kernel import DecodeKernel
 from services.worker.engine.kernel_build import load_library
-from services.worker.engine.linear_kernel import SmallBatchLinear, kernel_weights
-from services.worker.engine.models.llama import LlamaModel
+from services.worker.engine.linear_kernel import PanelLinear, SmallBatchLinear, kernel_weights
+from services.worker.engine.models.llama import LlamaLayer, LlamaModel
 from services.worker.engine.rope_store_kernel import RopeStoreKernel
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
+# The most rows of a fused step on the panel kernel: the engine's default max_num_seqs, so
+# every decode-only step of the default engine is one call; a larger step is long enough that
+# an interactive arrival should not wait for all its layers (it runs layer by layer).
+FUSED_MAX_ROWS = 64
 
 
 class _Projection(ctypes.Structure):
-    _fields_ = [("weight", _POINTER), ("scales", _POINTER), ("bias", _POINTER)]
+    _fields_ = [
+        ("weight", _POINTER),
+        ("scales", _POINTER),
+        ("bias", _POINTER),
+        ("panels", _POINTER),
+    ]
 
 
 class _Layer(ctypes.Structure):
@@ -51,6 +62,9 @@ class _Model(ctypes.Structure):
         ("linear", _POINTER),
         ("rope_store", _POINTER),
         ("attention", _POINTER),
+        ("projection_input", _POINTER),
+        ("panel_linear", _POINTER),
+        ("small_rows", _INT),
         ("hidden", _INT),
         ("heads", _INT),
         ("kv_heads", _INT),
@@ -80,7 +94,11 @@ class DecodeLayers:
         linear, rope_store, attention = kernels
         config = model.config
         layers = model.decoder_layers()
-        self._linear = linear
+        panels = linear.large if isinstance(linear.large, PanelLinear) else None
+        if panels is not None and any(_int8(m) for layer in layers for m in _projections_of(layer)):
+            panels = None  # the larger path runs int8 projections on torch: layer by layer
+        self.max_rows = FUSED_MAX_ROWS if panels is not None else linear.max_rows
+        """The most rows of a step it runs."""
         self._function = library.decode_layers
         self._function.restype = ctypes.c_int
         self._function.argtypes = [_POINTER, _POINTER, _INT, _POINTER, _INT, *[_POINTER] * 4, _INT]
@@ -88,6 +106,9 @@ class DecodeLayers:
             linear=ctypes.cast(linear.function, _POINTER).value,
             rope_store=ctypes.cast(rope_store.function, _POINTER).value,
             attention=ctypes.cast(attention.function, _POINTER).value,
+            projection_input=ctypes.cast(linear.input_function, _POINTER).value,
+            panel_linear=None if panels is None else ctypes.cast(panels.function, _POINTER).value,
+            small_rows=linear.max_rows,
             hidden=config.hidden_size,
             heads=config.num_heads,
             kv_heads=config.num_kv_heads,
@@ -103,19 +124,13 @@ class DecodeLayers:
         for entry, layer, cache in zip(table, layers, layer_caches, strict=True):
             entry.input_norm = layer.input_norm.weight.data_ptr()
             entry.post_attention_norm = layer.post_attention_norm.weight.data_ptr()
-            entry.qkv = _projection(layer.qkv_proj)
-            entry.o = _projection(layer.o_proj)
-            entry.gate_up = _projection(layer.gate_up_proj)
-            entry.down = _projection(layer.down_proj)
+            entry.qkv, entry.o, entry.gate_up, entry.down = (
+                _projection(m, panels) for m in _projections_of(layer)
+            )
             entry.key_cache = cache.key_blocks.data_ptr()
             entry.value_cache = cache.value_blocks.data_ptr()
         self._layers = table
         self._num_layers = len(layers)
-
-    @property
-    def max_rows(self) -> int:
-        """The most rows a step it runs may have: the small-batch linear kernel's."""
-        return self._linear.max_rows
 
     def __call__(
         self,
@@ -146,7 +161,19 @@ class DecodeLayers:
         return hidden
 
 
-def _projection(module: torch.nn.Module) -> _Projection:
+def _projections_of(layer: LlamaLayer) -> tuple[torch.nn.Module, ...]:
+    """A layer's projections in the order decode_layers.c's Layer holds them."""
+    return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
+
+
+def _int8(module: torch.nn.Module) -> bool:
+    weights = kernel_weights(module)
+    return weights is not None and weights[1] is not None
+
+
+def _projection(module: torch.nn.Module, panels: PanelLinear | None) -> _Projection:
+    """A projection's weights for the small-batch kernel, and packed for the panel kernel
+    when the larger steps run on it (the packed copy that path uses)."""
     weights = kernel_weights(module)
     if weights is None:
         raise ValueError(f"{module} is not a projection the small-batch kernel reads")
@@ -155,6 +182,7 @@ def _projection(module: torch.nn.Module) -> _Projection:
         weight=weight.data_ptr(),
         scales=None if scales is None else scales.data_ptr(),
         bias=None if bias is None else bias.data_ptr(),
+        panels=None if panels is None else panels.laid_out(weight).data_ptr(),
     )
 
 

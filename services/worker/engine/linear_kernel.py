@@ -84,9 +84,9 @@ class SmallBatchLinear:
             *(_INT, _INT),  # in, outs
             *(_POINTER, ctypes.c_int, ctypes.c_int),  # y, accumulate, threads
         ]
-        self._input_function = library.projection_input
-        self._input_function.restype = None
-        self._input_function.argtypes = [
+        self.input_function = library.projection_input
+        self.input_function.restype = None
+        self.input_function.argtypes = [
             *(_POINTER, _INT, _INT),  # x, rows, x row stride
             *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
             *(_INT, _POINTER, ctypes.c_int),  # width of f(x), out, threads
@@ -163,7 +163,7 @@ class SmallBatchLinear:
             x = x.contiguous()
         width = x.shape[1] // 2 if gated else x.shape[1]
         out = x.new_empty(x.shape[0], width)
-        self._input_function(
+        self.input_function(
             x.data_ptr(),
             x.shape[0],
             x.stride(0),

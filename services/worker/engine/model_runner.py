@@ -78,8 +78,8 @@ class ModelRunner:
         linear_kernel: runs the projections of steps with few rows when given (CPU float32),
         on the weights it streams moved onto huge pages (linear_kernel.place_weights).
         fuse_small_decodes: with all three of the decode, RoPE/store and linear kernels, a
-        step of only decode rows, no more than the linear kernel takes, runs its layers in one
-        C call (decode_layers_kernel.py; the same numbers)."""
+        step of only decode rows (up to DecodeLayers.max_rows) runs its layers in one C call
+        (decode_layers_kernel.py; the same numbers)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"

@@ -242,33 +242,42 @@ def test_logits_match_transformers_at_every_position(
         torch.testing.assert_close(logits, expected, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
 
 
+@pytest.mark.parametrize("rows", [3, 20], ids=["small-batch", "panels"])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_fused_decode_layers_give_the_layer_by_layer_logits_exactly(
-    family_dir: Path, loaded: LoadedModel, quantization: str
+    family_dir: Path, loaded: LoadedModel, quantization: str, rows: int
 ) -> None:
-    """Decode steps of few rows run all their layers in one C call (decode_layers_kernel.py)
-    where the family's layers allow it (not Qwen3's per-head Q/K norm): the same kernels in
-    the same order, so the logits equal the layer-by-layer path's bit for bit."""
+    """Decode steps run all their layers in one C call (decode_layers_kernel.py) where the
+    family's layers allow it (not Qwen3's per-head Q/K norm): the same kernels in the same
+    order, so the logits equal the layer-by-layer path's bit for bit. 20 rows are past the
+    small-batch kernel's rows: float32 projections run on the panel kernel in both paths, int8
+    ones layer by layer on torch."""
     model = loaded if quantization == "none" else load_model(str(family_dir), quantization="int8")
     generator = torch.Generator().manual_seed(9)
+    # One block, a part-filled second, past the tiny Mistral window.
     prompts = [
         torch.randint(0, loaded.config.vocab_size, (n,), generator=generator).tolist()
-        for n in (5, 23, 40)  # one block, a part-filled second, past the tiny Mistral window
+        for n in ([5, 23, 40] * rows)[:rows]
     ]
     tables = [list(range(i * 4, (i + 1) * 4)) for i in range(len(prompts))]
     steps: dict[bool, torch.Tensor] = {}
     for fuse in (True, False):
         threads = torch.get_num_threads()
+        linear = load_linear_kernel(threads, "panels")
         runner = ModelRunner(
             model,
             num_blocks=4 * len(prompts),
             block_size=BLOCK_SIZE,
             decode_kernel=load_decode_kernel(threads),
             rope_store_kernel=load_rope_store_kernel(threads),
-            linear_kernel=load_linear_kernel(threads),
+            linear_kernel=linear,
             fuse_small_decodes=fuse,
         )
-        assert (runner.decode_layers is not None) == (fuse and not loaded.config.qk_norm)
+        fused = runner.decode_layers
+        assert (fused is not None) == (fuse and not loaded.config.qk_norm)
+        if fused is not None:
+            assert rows > linear.max_rows or rows == 3
+            assert (rows <= fused.max_rows) == (rows == 3 or quantization == "none")
         runner.forward([BatchEntry(p[:-1], 0, t) for p, t in zip(prompts, tables, strict=True)])
         tokens, logits = [p[-1] for p in prompts], []
         for step in range(4):
