@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from kvmesh.contracts.tokenizer import IncrementalDetokenizer
+from services.worker.engine.allocator import keep_freed_memory
 from services.worker.engine.api import (
     EngineRequest,
     EngineStats,
@@ -53,6 +54,8 @@ class Engine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         config = config or EngineConfig(model=loaded.name)
         config.validate()
+        if config.keep_freed_memory and loaded.device.type == "cpu":
+            keep_freed_memory()
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
