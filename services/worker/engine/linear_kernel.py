@@ -329,7 +329,7 @@ def place_weights(model: nn.Module) -> None:
         offsets.append(total)
         total += -(-tensor.numel() * tensor.element_size() // line) * line
     if total:
-        memory = huge_page_bytes(total)
+        memory = huge_page_bytes(total, populate=True)
         for tensor, offset in zip(tensors.values(), offsets, strict=True):
             size = tensor.numel() * tensor.element_size()
             placed = memory[offset : offset + size].view(tensor.dtype).view(tensor.shape)

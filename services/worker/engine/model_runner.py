@@ -353,11 +353,12 @@ def kv_cache_tensor(
 ) -> torch.Tensor:
     """The zeroed KV cache. On the CPU on huge pages (huge_pages.py): decode attention reads
     each row's blocks scattered over it, 2-3 pages a block on 4 KiB pages (32 rows of 301
-    tokens x 30 layers, 2 cores of an AMD EPYC Zen 5, side by side: 12.6 vs 14.8 ms)."""
+    tokens x 30 layers, 2 cores of an AMD EPYC Zen 5, side by side: 12.6 vs 14.8 ms); its
+    pages faulted in when it is made, not by the steps that first write them."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     size = math.prod(shape) * dtype.itemsize
-    return huge_page_bytes(size).view(dtype).view(shape)
+    return huge_page_bytes(size, populate=True).view(dtype).view(shape)
 
 
 # Padding blocks one extra decode group is worth: the group's extra gathers and SDPA call
