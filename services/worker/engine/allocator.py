@@ -21,8 +21,8 @@ import logging
 logger = logging.getLogger(__name__)
 
 # mallopt's parameters (malloc.h).
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
 # glibc's largest mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX): a larger one is refused.
 MMAP_THRESHOLD = 32 << 20
 # Freed memory at the top of a heap is given back beyond this: mallopt's largest value (an int),
@@ -38,8 +38,8 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.restype = ctypes.c_int
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+        mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     )
     if not applied:
         logger.warning("the C allocator refused to keep freed memory: steps may page-fault")

@@ -18,18 +18,17 @@ from tests.unit.engine.test_engine import make_engine
 STEPS = """
 import resource, sys, torch
 import ctypes
-from services.worker.engine.allocator import keep_freed_memory
+from services.worker.engine.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 else:
     # glibc's thresholds as a process starts (128 KiB): how far its dynamic threshold has
     # risen by now depends on what the imports happened to free.
     mallopt = ctypes.CDLL(None).mallopt
-    assert mallopt(-3, 128 << 10) and mallopt(-1, 128 << 10)
+    assert mallopt(M_MMAP_THRESHOLD, 128 << 10) and mallopt(M_TRIM_THRESHOLD, 128 << 10)
 
 def step():
-    # A layer's tensors live until the step ends (as autograd-free inference keeps them
-    # referenced only briefly, but a step's peak holds several layers' worth).
+    # Alive together, then freed together: a step's peak working set.
     held = [torch.empty(1024, 2560).fill_(1.0) for _ in range(20)]
     del held
 
