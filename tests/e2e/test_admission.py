@@ -928,7 +928,11 @@ async def test_oversized_prompts_are_refused_before_any_work(mesh: Mesh) -> None
         result = await normal
     assert max(waits) < 1.0, waits
     assert result.usage.completion_tokens > 0
-    assert rss_mb(mesh.gateway) - before < 100
+    # Each prompt passes through a few buffers (gRPC's receive buffer, the parsed message, the
+    # text); glibc may keep the freed ones in its per-thread arenas (grown 101 MB in one CI
+    # run, against a bound of 100 then). Tokenizing them cost 3 GB (issue 15.4).
+    sent_mb = 6 * len(huge) / 2**20
+    assert rss_mb(mesh.gateway) - before < 5 * sent_mb
 
 
 # Small: the tiny model's context is 512 tokens, and its tokenizer spends about one a character.
