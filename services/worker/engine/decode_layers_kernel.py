@@ -1,4 +1,4 @@
-"""All decoder layers of a decode step in one C call (kernels/decode_layers.c).
+"""All decoder layers of a step in one C call (kernels/decode_layers.c).
 
 At batch 1 the kernels themselves (projections, RoPE + K/V store, attention) took 25 of a
 33.9 ms step and the Python around them, layer after layer, the other 8.8 ms on one thread
@@ -9,7 +9,9 @@ per-head Q/K norm, every projection a float32 or int8 matrix the kernel reads): 
 small-batch linear kernel's rows, and up to FUSED_MAX_ROWS where the larger steps' projections
 run on the panel kernel (PanelLinear: decode_layers.c calls it as that path does). Such a step
 is tens of milliseconds: it is not interrupted between layers (an interactive arrival waits at
-most that).
+most that). Where the larger steps run on panels and a prefill kernel is given, it also runs
+steps with prefill chunks (each chunk's attention on that kernel), of any rows: those that
+nothing may interrupt between layers (the runner's choice).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from typing import TypeGuard
 
 import torch
 
-from services.worker.engine.attention import LayerKvCache
+from services.worker.engine.attention import KernelDecode, LayerKvCache, PrefillSpan
 from services.worker.engine.decode_kernel import DecodeKernel
 from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import PanelLinear, SmallBatchLinear, kernel_weights
 from services.worker.engine.models.llama import LlamaLayer, LlamaModel
+from services.worker.engine.prefill_kernel import PrefillKernel
 from services.worker.engine.rope_store_kernel import RopeStoreKernel
 
 _POINTER = ctypes.c_void_p
@@ -57,11 +60,21 @@ class _Layer(ctypes.Structure):
     ]
 
 
+class _Chunk(ctypes.Structure):
+    _fields_ = [
+        ("row_start", _INT),
+        ("rows", _INT),
+        ("prefix_len", _INT),
+        ("block_table", _POINTER),
+    ]
+
+
 class _Model(ctypes.Structure):
     _fields_ = [
         ("linear", _POINTER),
         ("rope_store", _POINTER),
         ("attention", _POINTER),
+        ("prefill_attention", _POINTER),
         ("projection_input", _POINTER),
         ("panel_linear", _POINTER),
         ("small_rows", _INT),
@@ -79,7 +92,7 @@ class _Model(ctypes.Structure):
 
 
 class DecodeLayers:
-    """The decoder layers of one model over its KV cache, as one call per decode step."""
+    """The decoder layers of one model over its KV cache, as one call per step."""
 
     def __init__(
         self,
@@ -88,9 +101,11 @@ class DecodeLayers:
         layer_caches: list[LayerKvCache],
         block_size: int,
         kernels: tuple[SmallBatchLinear, RopeStoreKernel, DecodeKernel],
+        prefill: PrefillKernel | None = None,
     ) -> None:
         """The model's weights and cache are read by address from here on: they must stay
-        where they are (the runner places the weights before it builds this)."""
+        where they are (the runner places the weights before it builds this). prefill: the
+        kernel that attends prefill chunks, for steps that have them."""
         linear, rope_store, attention = kernels
         config = model.config
         layers = model.decoder_layers()
@@ -98,14 +113,22 @@ class DecodeLayers:
         if panels is not None and any(_int8(m) for layer in layers for m in _projections_of(layer)):
             panels = None  # the larger path runs int8 projections on torch: layer by layer
         self.max_rows = FUSED_MAX_ROWS if panels is not None else linear.max_rows
-        """The most rows of a step it runs."""
+        """The most rows of a decode-only step it runs."""
+        self.runs_prefills = prefill is not None and panels is not None
+        """Whether it runs steps with prefill chunks (any rows: their projections on panels)."""
         self._function = library.decode_layers
         self._function.restype = ctypes.c_int
-        self._function.argtypes = [_POINTER, _POINTER, _INT, _POINTER, _INT, *[_POINTER] * 4, _INT]
+        # model, layers, layers' count, hidden, rows, rotations, slots, decode rows, their
+        # block tables, context lengths and blocks each, chunks, chunks' count
+        self._function.argtypes = [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER]
+        self._function.argtypes += [_INT, _POINTER, _POINTER, _INT, _POINTER, _INT]
         self._model = _Model(
             linear=ctypes.cast(linear.function, _POINTER).value,
             rope_store=ctypes.cast(rope_store.function, _POINTER).value,
             attention=ctypes.cast(attention.function, _POINTER).value,
+            prefill_attention=None
+            if prefill is None
+            else ctypes.cast(prefill.function, _POINTER).value,
             projection_input=ctypes.cast(linear.input_function, _POINTER).value,
             panel_linear=None if panels is None else ctypes.cast(panels.function, _POINTER).value,
             small_rows=linear.max_rows,
@@ -137,13 +160,21 @@ class DecodeLayers:
         hidden: torch.Tensor,
         rotations: torch.Tensor,
         slots: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
+        decode: KernelDecode | None,
+        prefills: list[PrefillSpan],
     ) -> torch.Tensor:
         """hidden [rows, hidden] contiguous (updated in place and returned); rotations [rows,
-        1, head_dim / 2] complex; slots [rows] int64; block_tables [rows, max_blocks] and
-        context_lens [rows] int64, contiguous. The caller guarantees the shapes."""
+        1, head_dim / 2] complex; slots [rows] int64; decode: the first rows' (block tables
+        and context lengths contiguous int64), prefills: the chunks after them, as the runner
+        plans them (only where runs_prefills). The caller guarantees the shapes."""
         pairs = torch.view_as_real(rotations).contiguous()
+        tables = [span.block_ids.contiguous() for span in prefills]  # held: read by address
+        chunks = (_Chunk * max(len(prefills), 1))(
+            *(
+                _Chunk(span.row_start, span.row_end - span.row_start, span.prefix_len, t.data_ptr())
+                for span, t in zip(prefills, tables, strict=True)
+            )
+        )
         status = self._function(
             ctypes.byref(self._model),
             self._layers,
@@ -152,9 +183,12 @@ class DecodeLayers:
             hidden.shape[0],
             pairs.data_ptr(),
             slots.data_ptr(),
-            block_tables.data_ptr(),
-            context_lens.data_ptr(),
-            block_tables.shape[1],
+            0 if decode is None else decode.rows,
+            None if decode is None else decode.block_tables.data_ptr(),
+            None if decode is None else decode.context_lens.data_ptr(),
+            0 if decode is None else decode.block_tables.shape[1],
+            chunks,
+            len(prefills),
         )
         if status != 0:
             raise MemoryError("the decode-layers kernel could not allocate its scratch memory")

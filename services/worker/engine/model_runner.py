@@ -79,7 +79,9 @@ class ModelRunner:
         on the weights it streams moved onto huge pages (linear_kernel.place_weights).
         fuse_small_decodes: with all three of the decode, RoPE/store and linear kernels, a
         step of only decode rows (up to DecodeLayers.max_rows) runs its layers in one C call
-        (decode_layers_kernel.py; the same numbers)."""
+        (decode_layers_kernel.py; the same numbers); with the prefill kernel too, so does a
+        step with prefill chunks that nothing may interrupt between layers, where the larger
+        steps' projections run on panels."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
@@ -132,7 +134,9 @@ class ModelRunner:
             logger.warning("decode steps run layer by layer: %s", exc)
             return None
         kernels = (linear, rope_store, attention)
-        return DecodeLayers(library, self.model, self._layer_caches, self.block_size, kernels)
+        return DecodeLayers(
+            library, self.model, self._layer_caches, self.block_size, kernels, self.prefill_kernel
+        )
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
@@ -152,22 +156,18 @@ class ModelRunner:
         interrupt: asked between layers; True stops the pass with StepInterrupted."""
         with torch.inference_mode():
             plan = self._plan(batch)
-            decode = plan.attention.kernel_decode
-            if (
-                self.decode_layers is not None
-                and decode is not None
-                and not plan.attention.prefills
-                and decode.rows <= self.decode_layers.max_rows
-            ):
-                # Asked once: the layers run in one call, tens of milliseconds at most.
+            attention = plan.attention
+            if self.decode_layers is not None and self._fused(attention, interrupt):
+                # Asked once: a decode step's layers run in one call, tens of milliseconds
+                # at most (a step with chunks comes here only uninterruptible).
                 if interrupt is not None and interrupt():
                     raise StepInterrupted
                 hidden = self.decode_layers(
                     self.model.embed_tokens(plan.token_ids),
                     self.model.rotary.lookup(plan.positions),
-                    plan.attention.slots,
-                    decode.block_tables,
-                    decode.context_lens,
+                    attention.slots,
+                    attention.kernel_decode,
+                    attention.prefills,
                 )
             else:
                 hidden = self.model(
@@ -179,6 +179,23 @@ class ModelRunner:
                     self.project,
                 )
             return self.model.compute_logits(hidden[plan.logit_rows], self.project)
+
+    def _fused(self, attention: AttentionBatch, interrupt: Callable[[], bool] | None) -> bool:
+        """Whether decode_layers runs the step's layers in one call: a step of up to its
+        max_rows decode rows, or, where it runs prefills, one with chunks that all attend
+        on the prefill kernel and that nothing interrupts (a chunk's step may take seconds:
+        a batch step stays interruptible between layers)."""
+        layers = self.decode_layers
+        decode = attention.kernel_decode
+        if layers is None or attention.decode_groups:
+            return False
+        if not attention.prefills:
+            return decode is not None and decode.rows <= layers.max_rows
+        return (
+            layers.runs_prefills
+            and interrupt is None
+            and all(span.kernel is not None for span in attention.prefills)
+        )
 
     def read_block(self, block_id: int) -> bytes:
         self._check_block_id(block_id)

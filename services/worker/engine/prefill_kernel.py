@@ -27,9 +27,9 @@ class PrefillKernel:
     """Causal attention of one prefill chunk over one layer's paged K/V."""
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        self._function = library.paged_prefill_attention
-        self._function.restype = ctypes.c_int
-        self._function.argtypes = (
+        self.function = library.paged_prefill_attention
+        self.function.restype = ctypes.c_int
+        self.function.argtypes = (
             [_POINTER] + [_INT] + [_POINTER] * 4 + [_INT] * 7 + [ctypes.c_float, ctypes.c_int]
         )
         self.num_threads = num_threads
@@ -55,7 +55,7 @@ class PrefillKernel:
         table = block_table.contiguous()  # held: the kernel reads it by address
         out = torch.empty((chunk, heads, head_dim), dtype=q.dtype)
         with profiled("kvmesh::paged_prefill_attention"):
-            status = self._function(
+            status = self.function(
                 q.data_ptr(),
                 q.stride(0),
                 key_blocks.data_ptr(),

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 from kvmesh.contracts.constraints import Constraint, ConstraintKind
 from services.worker.engine.api import EngineRequest, FinishReason, SamplingParams
 from services.worker.engine.decode_kernel import load_decode_kernel
+from services.worker.engine.decode_layers_kernel import DecodeLayers
 from services.worker.engine.linear_kernel import (
     TRANSPOSED_MAX_ROWS,
     SmallBatchLinear,
@@ -29,6 +30,8 @@ from services.worker.engine.linear_kernel import (
 from services.worker.engine.llm import LLM
 from services.worker.engine.loader import LoadedModel, ModelLoadError, load_model, save_hf_folder
 from services.worker.engine.model_runner import BatchEntry, ModelRunner
+from services.worker.engine.models.llama import LlamaModel
+from services.worker.engine.prefill_kernel import load_prefill_kernel
 from services.worker.engine.rope_store_kernel import load_rope_store_kernel
 from tests.tiny_checkpoints import (
     FAMILIES,
@@ -154,11 +157,13 @@ def test_greedy_across_the_kernels_row_thresholds_matches_transformers(
     wide_prompts: list[list[int]],
     hf_wide_greedy: list[list[int]],
     large: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The small-batch kernel, then the panel kernel, oneDNN on reordered weights or torch's
     transposed and plain products (large_batch_linear), each adding Qwen2's Q/K/V bias
     itself: steps of 1 to 16 rows, 17 to 128 and more than 128 in one continuous batch all
-    give transformers' greedy tokens."""
+    give transformers' greedy tokens (with panels most steps run their layers in one call,
+    which chooses between the kernels by the same thresholds)."""
     prompts = wide_prompts
     engine = make_engine(
         loaded,
@@ -177,6 +182,8 @@ def test_greedy_across_the_kernels_row_thresholds_matches_transformers(
     assert isinstance(project, SmallBatchLinear)
     project.max_rows = WIDE_MAX_ROWS  # the one-call decode layers follow it
     engine.runner.project = recorded
+    if (layers := engine.runner.decode_layers) is not None:
+        monkeypatch.setattr(engine.runner, "decode_layers", RecordedLayers(layers, rows))
     # Six prompts at once (more prefill rows than TRANSPOSED_MAX_ROWS), then one per step.
     arrivals = {0: [EngineRequest(f"r{i}", prompts[i], GREEDY) for i in range(6)]}
     for i in range(6, WIDE_BATCH):
@@ -187,6 +194,20 @@ def test_greedy_across_the_kernels_row_thresholds_matches_transformers(
     assert {n for n in rows if n <= WIDE_MAX_ROWS}
     for i, tokens in enumerate(hf_wide_greedy):
         assert results[f"r{i}"].token_ids == tokens, f"prompt {i} ({len(prompts[i])} tokens)"
+
+
+class RecordedLayers:
+    """A runner's one-call decoder layers that note the rows of every step they run."""
+
+    def __init__(self, layers: DecodeLayers, rows: set[int]) -> None:
+        self.layers = layers
+        self.rows = rows
+        self.max_rows = layers.max_rows
+        self.runs_prefills = layers.runs_prefills
+
+    def __call__(self, hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        self.rows.add(hidden.shape[0])
+        return self.layers(hidden, *args)
 
 
 def position_runner(loaded: LoadedModel, prompt_len: int, kernels: bool) -> ModelRunner:
@@ -289,6 +310,69 @@ def test_fused_decode_layers_give_the_layer_by_layer_logits_exactly(
             tokens = logits[-1].argmax(-1).tolist()
         steps[fuse] = torch.stack(logits)
     assert torch.equal(steps[True], steps[False])
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_fused_layers_run_prefill_steps_with_the_layer_by_layer_logits_exactly(
+    family_dir: Path, loaded: LoadedModel, quantization: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps with prefill chunks run their layers in the one C call too where every chunk
+    attends on the prefill kernel and the larger steps' projections run on panels (float32,
+    not int8): three whole prompts and the first chunk of a fourth in one step, then their
+    decode rows beside the fourth's second chunk (a prefix before it). The logits equal the
+    layer-by-layer path's bit for bit; a batch step (interruptible between layers) and the
+    int8 model's steps still run layer by layer."""
+    model = loaded if quantization == "none" else load_model(str(family_dir), quantization="int8")
+    generator = torch.Generator().manual_seed(13)
+    prompts = [
+        torch.randint(0, loaded.config.vocab_size, (n,), generator=generator).tolist()
+        for n in (5, 23, 40, 30)
+    ]
+    tables = [list(range(i * 4, (i + 1) * 4)) for i in range(len(prompts))]
+    layer_by_layer_steps = 0
+    layer_by_layer = LlamaModel.forward
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        nonlocal layer_by_layer_steps
+        layer_by_layer_steps += 1
+        return layer_by_layer(*args, **kwargs)
+
+    monkeypatch.setattr(LlamaModel, "forward", counted)
+    steps: dict[bool, list[torch.Tensor]] = {}
+    for fuse in (True, False):
+        threads = torch.get_num_threads()
+        runner = ModelRunner(
+            model,
+            num_blocks=4 * len(prompts),
+            block_size=BLOCK_SIZE,
+            decode_kernel=load_decode_kernel(threads),
+            prefill_kernel=load_prefill_kernel(threads),
+            rope_store_kernel=load_rope_store_kernel(threads),
+            linear_kernel=load_linear_kernel(threads, "panels"),
+            fuse_small_decodes=fuse,
+        )
+        fused = runner.decode_layers
+        runs_prefills = fused is not None and fused.runs_prefills
+        assert runs_prefills == (fuse and not loaded.config.qk_norm and quantization == "none")
+        layer_by_layer_steps = 0
+        first = runner.forward(
+            [BatchEntry(p, 0, t) for p, t in zip(prompts[:3], tables[:3], strict=True)]
+            + [BatchEntry(prompts[3][:9], 0, tables[3], want_logits=False)]
+        )
+        tokens = first.argmax(-1).tolist()
+        second = runner.forward(
+            [
+                BatchEntry([token], len(p), t)
+                for token, p, t in zip(tokens, prompts[:3], tables[:3], strict=True)
+            ]
+            + [BatchEntry(prompts[3][9:], 9, tables[3])]
+        )
+        assert layer_by_layer_steps == (0 if runs_prefills else 2)
+        # A batch step (one that may be interrupted between layers) stays layer by layer.
+        runner.forward([BatchEntry(prompts[3][:4], 0, tables[3])], lambda: False)
+        assert layer_by_layer_steps == (1 if runs_prefills else 3)
+        steps[fuse] = [first, second]
+    assert all(torch.equal(a, b) for a, b in zip(steps[True], steps[False], strict=True))
 
 
 def test_mistral_window_shorter_than_the_prompt_hides_the_tokens_before_it(

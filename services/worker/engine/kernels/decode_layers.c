@@ -1,4 +1,5 @@
-/* Every decoder layer of a decode step in one call (CPU, float32).
+/* Every decoder layer of a step in one call (CPU, float32): a decode step, or a step with
+ * prefill chunks (after its decode rows, if any).
  *
  * A batch-1 decode step is ~30 layers of small work: five kernel calls a layer, and around
  * them Python builds views, checks shapes and reads each weight's address again. That glue
@@ -13,10 +14,17 @@
  * scratch rows (projection_input), then panel_linear on the weights' packed panels. Without
  * the glue, 17-64-row steps took 0.89-0.93x the time (medians; Zen 4, 2 cores).
  *
+ * Prefill chunks take their attention from paged_prefill_attention, one call a chunk, as the
+ * layer-by-layer path calls it (the chunk's queries read in place from qkv); there the glue
+ * was ~16 ms of a 128-token prefill step's ~177 ms (the main thread's Python, the other
+ * thread waiting at the next parallel region meanwhile; perf, Zen 4, 2 cores).
+ *
  * Per layer, hidden [rows, hidden] updated in place:
  *   qkv    = RMSNorm(hidden) Wqkv^T (+ bias)            small_batch_linear or panels
  *   Q, K rotated in qkv, K and V stored at their slots  rope_and_store
- *   attn   = attention of Q over each row's context     paged_decode_attention
+ *   attn   = attention of Q over each row's context     paged_decode_attention (decode
+ *                                                       rows), paged_prefill_attention
+ *                                                       (each chunk)
  *   hidden += attn Wo^T                                 small_batch_linear or panels, accumulate
  *   gu     = RMSNorm(hidden) Wgate_up^T                 small_batch_linear or panels
  *   hidden += SwiGLU(gu) Wdown^T                        small_batch_linear or panels, accumulate
@@ -38,6 +46,11 @@ typedef int (*Attention)(const float *q, const float *key_cache, const float *va
                          int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t max_blocks, int64_t window, float scale,
                          int threads);
+typedef int (*PrefillAttention)(const float *q, int64_t q_row_stride, const float *key_cache,
+                                const float *value_cache, const int64_t *block_table,
+                                float *out, int64_t chunk, int64_t prefix_len, int64_t heads,
+                                int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                int64_t window, float scale, int threads);
 typedef void (*ProjectionInput)(const float *x, int64_t rows, int64_t x_stride,
                                 const float *norm_weight, float eps, int gated, int64_t in,
                                 float *out, int threads);
@@ -60,10 +73,18 @@ typedef struct {
     float *key_cache, *value_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] */
 } Layer;
 
+/* A prefill chunk: rows [row_start, row_start + rows) of the step, its sequence's
+ * prefix_len tokens before it in the cache, its block table covering the whole context. */
+typedef struct {
+    int64_t row_start, rows, prefix_len;
+    const int64_t *block_table;
+} Chunk;
+
 typedef struct {
     Linear linear;
     RopeStore rope_store;
     Attention attention;
+    PrefillAttention prefill_attention; /* NULL when no step with chunks comes here */
     /* Steps of more than small_rows rows: projection_input then panel_linear (NULL when the
      * model's steps never have more). */
     ProjectionInput projection_input;
@@ -95,10 +116,13 @@ static int project(const Model *model, const float *x, int64_t rows, int64_t x_s
     return 0;
 }
 
-/* Returns 0, -1 when scratch memory could not be allocated, or a kernel's own failure. */
+/* The first decode_rows rows are decode rows (block_tables [decode_rows, max_blocks] and
+ * context_lens theirs; unread when there are none), the chunks the rest.
+ * Returns 0, -1 when scratch memory could not be allocated, or a kernel's own failure. */
 int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, float *hidden,
                   int64_t rows, const float *rotations, const int64_t *slots,
-                  const int64_t *block_tables, const int64_t *context_lens, int64_t max_blocks) {
+                  int64_t decode_rows, const int64_t *block_tables, const int64_t *context_lens,
+                  int64_t max_blocks, const Chunk *chunks, int64_t num_chunks) {
     const int64_t q_width = model->heads * model->head_dim;
     const int64_t qkv_width = q_width + 2 * model->kv_heads * model->head_dim;
     const int64_t gate_up_width = 2 * model->intermediate;
@@ -107,7 +131,8 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, f
                                                                 : model->hidden;
     const int panels = rows > model->small_rows;
     float *qkv = malloc(sizeof(float) * rows * qkv_width);
-    float *q = malloc(sizeof(float) * rows * q_width);
+    /* The decode kernel reads its rows' queries contiguous; chunks read theirs in qkv. */
+    float *q = malloc(sizeof(float) * (decode_rows > 0 ? decode_rows : 1) * q_width);
     float *attn = malloc(sizeof(float) * rows * q_width);
     float *gate_up = malloc(sizeof(float) * rows * gate_up_width);
     /* f(x) of the panel path's projections: the normed hidden rows or the SwiGLU's. */
@@ -120,12 +145,22 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, f
         if (status != 0) break;
         model->rope_store(qkv, rows, qkv_width, model->heads, model->kv_heads, model->head_dim,
                           rotations, slots, layer->key_cache, layer->value_cache, threads);
-        for (int64_t r = 0; r < rows; r++)
-            memcpy(q + r * q_width, qkv + r * qkv_width, sizeof(float) * q_width);
-        status = model->attention(q, layer->key_cache, layer->value_cache, block_tables,
-                                  context_lens, attn, rows, model->heads, model->kv_heads,
-                                  model->head_dim, model->block_size, max_blocks, model->window,
-                                  model->scale, threads);
+        if (decode_rows > 0) {
+            for (int64_t r = 0; r < decode_rows; r++)
+                memcpy(q + r * q_width, qkv + r * qkv_width, sizeof(float) * q_width);
+            status = model->attention(q, layer->key_cache, layer->value_cache, block_tables,
+                                      context_lens, attn, decode_rows, model->heads,
+                                      model->kv_heads, model->head_dim, model->block_size,
+                                      max_blocks, model->window, model->scale, threads);
+        }
+        for (int64_t c = 0; c < num_chunks && status == 0; c++) {
+            const Chunk *chunk = chunks + c;
+            status = model->prefill_attention(
+                qkv + chunk->row_start * qkv_width, qkv_width, layer->key_cache,
+                layer->value_cache, chunk->block_table, attn + chunk->row_start * q_width,
+                chunk->rows, chunk->prefix_len, model->heads, model->kv_heads, model->head_dim,
+                model->block_size, model->window, model->scale, threads);
+        }
         if (status != 0) break;
         status = project(model, attn, rows, q_width, NULL, 0, &layer->o, q_width, model->hidden,
                          hidden, 1, scratch);
