@@ -420,8 +420,8 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         "step_rows": {
             name: sum(len(entry.token_ids) for entry in batch) for name, batch in batches.items()
         },
-        # Steps of up to this many rows run on the small-batch kernel whatever the mode.
-        "small_batch_max_rows": getattr(project, "max_rows", 0),
+        # Steps of up to this many rows run on the small-batch kernel in the default mode.
+        "small_batch_max_rows": getattr(project, "float_max_rows", 0),
         "large_batch_product": type(getattr(project, "large", None)).__name__,
         "step_flops": flops,
         "weight_bytes": weight_bytes(loaded),
@@ -1108,7 +1108,8 @@ def step_lines(report: Report) -> list[str]:
     larger = [name for name in default if steps["step_rows"][name] > kernel_rows]
     product = LARGE_PRODUCTS[steps["large_batch_product"]]
     lines.append(
-        f"- steps of more than {kernel_rows} rows (the small-batch kernel's limit on this CPU), "
+        f"- steps of more than {kernel_rows} row{'' if kernel_rows == 1 else 's'} (the "
+        "small-batch kernel's float32 limit on this CPU), "
         f"their projections on {product} (the default) vs oneDNN on reordered weights / "
         "torch's matmul, side by side: "
         + ", ".join(

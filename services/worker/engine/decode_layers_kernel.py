@@ -131,7 +131,7 @@ class DecodeLayers:
             else ctypes.cast(prefill.function, _POINTER).value,
             projection_input=ctypes.cast(linear.input_function, _POINTER).value,
             panel_linear=None if panels is None else ctypes.cast(panels.function, _POINTER).value,
-            small_rows=linear.max_rows,
+            small_rows=linear.float_max_rows if panels is not None else linear.max_rows,
             hidden=config.hidden_size,
             heads=config.num_heads,
             kv_heads=config.num_kv_heads,

@@ -43,6 +43,12 @@ _PLACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 MAX_ROWS_BY_LANES = {8: 48, 16: 16}
 # For a vector width not measured (NEON's 4 floats).
 DEFAULT_MAX_ROWS = 16
+# Where the larger steps run on the panel kernel, float32 steps of this many rows or more run
+# there too: it took the small-batch kernel's place from 2 rows (measured after the limits
+# above, which were set against oneDNN). Decode steps of SmolLM2-135M (200-token contexts, AMD
+# EPYC Zen 4, 2 cores, alternated in one process): 0.66x the time at 2 rows, 0.47x at 6, 0.59x
+# at 8, 0.79x at 16; 1.10x at 1 row, which stays on the small-batch kernel.
+PANEL_MIN_ROWS = 2
 # The kernels' vector widths (kernel_lanes) on which "auto" runs the steps of more rows on the
 # panel kernel instead of oneDNN: AVX-512's 16, measured faster there (kernels/panel_linear.c);
 # AVX2 keeps oneDNN until measured on an AVX2 CPU.
@@ -57,11 +63,12 @@ _INT = ctypes.c_int64
 
 
 class SmallBatchLinear:
-    """The CPU's Project (models/llama.py): projections of at most max_rows rows (nn.Linear in
-    float32, or Int8Linear) run through the kernel, their norm, SwiGLU, bias (Qwen2's Q/K/V)
-    and residual add fused in; larger float32 ones on PackedLinear when given, else those of
-    up to TRANSPOSED_MAX_ROWS rows as torch's transposed product, a bias added by the same
-    matmul either way; anything else (bigger batches without oneDNN, larger int8 ones, other
+    """The CPU's Project (models/llama.py): projections of at most max_rows rows (Int8Linear,
+    or nn.Linear in float32: at most float_max_rows of those) run through the kernel, their
+    norm, SwiGLU, bias (Qwen2's Q/K/V) and residual add fused in; larger float32 ones on the
+    large product when given (the panel kernel or oneDNN), else those of up to
+    TRANSPOSED_MAX_ROWS rows as torch's transposed product, a bias added by the same matmul
+    either way; anything else (bigger batches without oneDNN, larger int8 ones, other
     modules) as torch's plain product."""
 
     def __init__(
@@ -95,6 +102,10 @@ class SmallBatchLinear:
         if max_rows is None:
             max_rows = MAX_ROWS_BY_LANES.get(kernel_lanes(library), DEFAULT_MAX_ROWS)
         self.max_rows = max_rows
+        self.float_max_rows = (
+            min(max_rows, PANEL_MIN_ROWS - 1) if isinstance(large, PanelLinear) else max_rows
+        )
+        """The most rows of a float32 projection it computes itself (PANEL_MIN_ROWS)."""
 
     def __call__(
         self,
@@ -108,8 +119,9 @@ class SmallBatchLinear:
         weights = kernel_weights(module)
         if weights is None or x.dim() != 2:
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
-        if x.shape[0] > self.max_rows or (residual is not None and not residual.is_contiguous()):
-            weight, scales, bias = weights
+        weight, scales, bias = weights
+        limit = self.max_rows if scales is not None else self.float_max_rows
+        if x.shape[0] > limit or (residual is not None and not residual.is_contiguous()):
             if scales is None:
                 if self.large is not None:
                     x = self.projection_input(x, norm, gated)
@@ -120,7 +132,6 @@ class SmallBatchLinear:
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
         if norm is not None and gated:
             raise ValueError("a projection is normed or gated, not both")
-        weight, scales, bias = weights
         outs, ins = weight.shape
         width = 2 * ins if gated else ins
         if x.shape[1] != width:

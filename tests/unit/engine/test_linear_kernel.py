@@ -17,6 +17,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import (
     MAX_ROWS_BY_LANES,
+    PANEL_MIN_ROWS,
     TRANSPOSED_MAX_ROWS,
     LaidOutLinear,
     PackedLinear,
@@ -279,6 +280,47 @@ def test_larger_steps_run_on_weights_laid_out_once(fused: str, large: str) -> No
     assert packed.num_copies == 1  # laid out on first use, then reused
     del module, call
     assert packed.num_copies == 0  # the copy went with its weight
+
+
+class CountedPanels(PanelLinear):
+    """The panel kernel, noting the rows of every product it computes."""
+
+    def __init__(self) -> None:
+        super().__init__(load_library("panel_linear"), 2)
+        self.rows: list[int] = []
+
+    def __call__(
+        self,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return super().__call__(weight, x, residual, bias)
+
+
+def test_where_panels_run_larger_steps_float32_ones_of_two_rows_run_there_too() -> None:
+    """PANEL_MIN_ROWS: float32 projections of 2 rows or more on the panel kernel, of one row
+    on the small-batch kernel; int8 ones (the panel kernel reads float32 only) on the small-
+    batch kernel up to its max_rows. With oneDNN as the larger product nothing changes."""
+    generator = torch.Generator().manual_seed(8)
+    module = linear(64, 100, generator)
+    quantized = Int8Linear(linear(64, 100, generator))
+    panels = CountedPanels()
+    project = SmallBatchLinear(load_library("small_batch_linear"), 2, max_rows=16, large=panels)
+    assert project.float_max_rows == PANEL_MIN_ROWS - 1 == 1
+    for rows in (1, 2, 5, 16, 17):
+        call = FusedCall.of(64, 100, rows, "norm", seed=rows)
+        torch.testing.assert_close(
+            call.run(project, module), call.expected(module), atol=1e-4, rtol=1e-4
+        )
+        call.run(project, quantized)
+    assert panels.rows == [2, 5, 16, 17]
+    onednn = SmallBatchLinear(
+        load_library("small_batch_linear"), 2, max_rows=16, large=PackedLinear()
+    )
+    assert onednn.float_max_rows == 16
 
 
 def test_streamed_weights_are_placed_in_one_buffer_in_reading_order() -> None:
