@@ -263,6 +263,24 @@ def test_logits_match_transformers_at_every_position(
         torch.testing.assert_close(logits, expected, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
 
 
+def kernel_runner(
+    model: LoadedModel, prompts: int, fuse: bool, *, prefill: bool = False
+) -> ModelRunner:
+    """A runner on the CPU kernels (larger steps on panels), 4 blocks a prompt; chunks attend
+    on the prefill kernel only when asked (through torch otherwise)."""
+    threads = torch.get_num_threads()
+    return ModelRunner(
+        model,
+        num_blocks=4 * prompts,
+        block_size=BLOCK_SIZE,
+        decode_kernel=load_decode_kernel(threads),
+        prefill_kernel=load_prefill_kernel(threads) if prefill else None,
+        rope_store_kernel=load_rope_store_kernel(threads),
+        linear_kernel=load_linear_kernel(threads, "panels"),
+        fuse_small_decodes=fuse,
+    )
+
+
 @pytest.mark.parametrize("rows", [1, 3, 20], ids=["one", "few", "panels"])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_fused_decode_layers_give_the_layer_by_layer_logits_exactly(
@@ -284,17 +302,9 @@ def test_fused_decode_layers_give_the_layer_by_layer_logits_exactly(
     tables = [list(range(i * 4, (i + 1) * 4)) for i in range(len(prompts))]
     steps: dict[bool, torch.Tensor] = {}
     for fuse in (True, False):
-        threads = torch.get_num_threads()
-        linear = load_linear_kernel(threads, "panels")
-        runner = ModelRunner(
-            model,
-            num_blocks=4 * len(prompts),
-            block_size=BLOCK_SIZE,
-            decode_kernel=load_decode_kernel(threads),
-            rope_store_kernel=load_rope_store_kernel(threads),
-            linear_kernel=linear,
-            fuse_small_decodes=fuse,
-        )
+        runner = kernel_runner(model, len(prompts), fuse)
+        linear = runner.project
+        assert isinstance(linear, SmallBatchLinear)
         fused = runner.decode_layers
         assert (fused is not None) == (fuse and not loaded.config.qk_norm)
         if fused is not None:
@@ -341,17 +351,7 @@ def test_fused_layers_run_prefill_steps_with_the_layer_by_layer_logits_exactly(
     monkeypatch.setattr(LlamaModel, "forward", counted)
     steps: dict[bool, list[torch.Tensor]] = {}
     for fuse in (True, False):
-        threads = torch.get_num_threads()
-        runner = ModelRunner(
-            model,
-            num_blocks=4 * len(prompts),
-            block_size=BLOCK_SIZE,
-            decode_kernel=load_decode_kernel(threads),
-            prefill_kernel=load_prefill_kernel(threads),
-            rope_store_kernel=load_rope_store_kernel(threads),
-            linear_kernel=load_linear_kernel(threads, "panels"),
-            fuse_small_decodes=fuse,
-        )
+        runner = kernel_runner(model, len(prompts), fuse, prefill=True)
         fused = runner.decode_layers
         runs_prefills = fused is not None and fused.runs_prefills
         assert runs_prefills == (fuse and not loaded.config.qk_norm and quantization == "none")
