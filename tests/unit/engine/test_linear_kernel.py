@@ -282,22 +282,17 @@ def test_larger_steps_run_on_weights_laid_out_once(fused: str, large: str) -> No
     assert packed.num_copies == 0  # the copy went with its weight
 
 
-class CountedPanels(PanelLinear):
-    """The panel kernel, noting the rows of every product it computes."""
+def counted_panels(rows: list[int]) -> PanelLinear:
+    """The panel kernel, noting in `rows` the rows of every product it computes."""
+    panels = PanelLinear(load_library("panel_linear"), 2)
+    kernel = panels.function
 
-    def __init__(self) -> None:
-        super().__init__(load_library("panel_linear"), 2)
-        self.rows: list[int] = []
+    def counted(x: int, count: int, *rest: Any) -> None:
+        rows.append(count)
+        kernel(x, count, *rest)
 
-    def __call__(
-        self,
-        weight: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        bias: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        self.rows.append(x.shape[0])
-        return super().__call__(weight, x, residual, bias)
+    panels.function = counted  # type: ignore[assignment]
+    return panels
 
 
 def test_where_panels_run_larger_steps_float32_ones_of_two_rows_run_there_too() -> None:
@@ -307,8 +302,10 @@ def test_where_panels_run_larger_steps_float32_ones_of_two_rows_run_there_too() 
     generator = torch.Generator().manual_seed(8)
     module = linear(64, 100, generator)
     quantized = Int8Linear(linear(64, 100, generator))
-    panels = CountedPanels()
-    project = SmallBatchLinear(load_library("small_batch_linear"), 2, max_rows=16, large=panels)
+    on_panels: list[int] = []
+    project = SmallBatchLinear(
+        load_library("small_batch_linear"), 2, max_rows=16, large=counted_panels(on_panels)
+    )
     assert project.float_max_rows == PANEL_MIN_ROWS - 1 == 1
     for rows in (1, 2, 5, 16, 17):
         call = FusedCall.of(64, 100, rows, "norm", seed=rows)
@@ -316,7 +313,7 @@ def test_where_panels_run_larger_steps_float32_ones_of_two_rows_run_there_too() 
             call.run(project, module), call.expected(module), atol=1e-4, rtol=1e-4
         )
         call.run(project, quantized)
-    assert panels.rows == [2, 5, 16, 17]
+    assert on_panels == [2, 5, 16, 17]
     onednn = SmallBatchLinear(
         load_library("small_batch_linear"), 2, max_rows=16, large=PackedLinear()
     )
