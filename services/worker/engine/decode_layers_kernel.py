@@ -169,11 +169,17 @@ class DecodeLayers:
         plans them (only where runs_prefills). The caller guarantees the shapes."""
         pairs = torch.view_as_real(rotations).contiguous()
         tables = [span.block_ids.contiguous() for span in prefills]  # held: read by address
-        chunks = (_Chunk * max(len(prefills), 1))(
-            *(
-                _Chunk(span.row_start, span.row_end - span.row_start, span.prefix_len, t.data_ptr())
-                for span, t in zip(prefills, tables, strict=True)
+        chunks = (
+            (_Chunk * len(prefills))(
+                *(
+                    _Chunk(
+                        span.row_start, span.row_end - span.row_start, span.prefix_len, t.data_ptr()
+                    )
+                    for span, t in zip(prefills, tables, strict=True)
+                )
             )
+            if prefills
+            else None  # a decode step: nothing to build
         )
         status = self._function(
             ctypes.byref(self._model),

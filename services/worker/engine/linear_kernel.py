@@ -102,10 +102,14 @@ class SmallBatchLinear:
         if max_rows is None:
             max_rows = MAX_ROWS_BY_LANES.get(kernel_lanes(library), DEFAULT_MAX_ROWS)
         self.max_rows = max_rows
-        self.float_max_rows = (
-            min(max_rows, PANEL_MIN_ROWS - 1) if isinstance(large, PanelLinear) else max_rows
-        )
-        """The most rows of a float32 projection it computes itself (PANEL_MIN_ROWS)."""
+
+    @property
+    def float_max_rows(self) -> int:
+        """The most rows of a float32 projection it computes itself: max_rows, or fewer where
+        the panel kernel runs the larger ones (PANEL_MIN_ROWS)."""
+        if isinstance(self.large, PanelLinear):
+            return min(self.max_rows, PANEL_MIN_ROWS - 1)
+        return self.max_rows
 
     def __call__(
         self,

@@ -157,12 +157,12 @@ class ModelRunner:
         with torch.inference_mode():
             plan = self._plan(batch)
             attention = plan.attention
-            if self.decode_layers is not None and self._fused(attention, interrupt):
+            if (layers := self._fused_layers(attention, interrupt)) is not None:
                 # Asked once: a decode step's layers run in one call, tens of milliseconds
                 # at most (a step with chunks comes here only uninterruptible).
                 if interrupt is not None and interrupt():
                     raise StepInterrupted
-                hidden = self.decode_layers(
+                hidden = layers(
                     self.model.embed_tokens(plan.token_ids),
                     self.model.rotary.lookup(plan.positions),
                     attention.slots,
@@ -174,28 +174,32 @@ class ModelRunner:
                     plan.token_ids,
                     plan.positions,
                     self._layer_caches,
-                    plan.attention,
+                    attention,
                     interrupt,
                     self.project,
                 )
             return self.model.compute_logits(hidden[plan.logit_rows], self.project)
 
-    def _fused(self, attention: AttentionBatch, interrupt: Callable[[], bool] | None) -> bool:
-        """Whether decode_layers runs the step's layers in one call: a step of up to its
-        max_rows decode rows, or, where it runs prefills, one with chunks that all attend
-        on the prefill kernel and that nothing interrupts (a chunk's step may take seconds:
-        a batch step stays interruptible between layers)."""
+    def _fused_layers(
+        self, attention: AttentionBatch, interrupt: Callable[[], bool] | None
+    ) -> DecodeLayers | None:
+        """decode_layers where it runs the step's layers in one call, else None: a step of up
+        to its max_rows decode rows, or, where it runs prefills, one with chunks that all
+        attend on the prefill kernel and that nothing interrupts (a chunk's step may take
+        seconds: a batch step stays interruptible between layers)."""
         layers = self.decode_layers
         decode = attention.kernel_decode
         if layers is None or attention.decode_groups:
-            return False
+            return None
         if not attention.prefills:
-            return decode is not None and decode.rows <= layers.max_rows
-        return (
-            layers.runs_prefills
-            and interrupt is None
-            and all(span.kernel is not None for span in attention.prefills)
-        )
+            fits = decode is not None and decode.rows <= layers.max_rows
+        else:
+            fits = (
+                layers.runs_prefills
+                and interrupt is None
+                and all(span.kernel is not None for span in attention.prefills)
+            )
+        return layers if fits else None
 
     def read_block(self, block_id: int) -> bytes:
         self._check_block_id(block_id)

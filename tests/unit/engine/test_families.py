@@ -180,7 +180,9 @@ def test_greedy_across_the_kernels_row_thresholds_matches_transformers(
         return project(module, x, **fused)
 
     assert isinstance(project, SmallBatchLinear)
-    project.max_rows = WIDE_MAX_ROWS  # the one-call decode layers follow it
+    # The layer-by-layer path's threshold; the one-call layers keep the one they were built
+    # with, the default (WIDE_MAX_ROWS too where the kernels are built for AVX-512).
+    project.max_rows = WIDE_MAX_ROWS
     engine.runner.project = recorded
     if (layers := engine.runner.decode_layers) is not None:
         monkeypatch.setattr(engine.runner, "decode_layers", RecordedLayers(layers, rows))
