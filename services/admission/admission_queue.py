@@ -9,6 +9,13 @@ slot is shed at once (ResourceExhausted with a retry-after) when its class's que
 when the expected wait plus its expected service time would outlast its deadline
 (shedding.py); a waiter whose slot comes too late to finish in time is not started but ends
 with DeadlineExceeded. A request that finds a free slot takes it: it holds up nobody.
+
+The expected wait counts the slots that free up (the limit's worth per average hold) and who
+takes them: an interactive request waits for the interactive ones ahead of it; a batch
+request also waits while interactive requests keep arriving, since each freed slot goes to
+them first, so its wait counts only the slots that interactive requests left over during the
+last hold period (at least one: what decides a batch request's fate is how long interactive
+work has been taking every slot, and that stretch may end).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from dataclasses import dataclass, field
 from kvmesh.errors import DeadlineExceeded, ResourceExhausted
 from kvmesh.tenants import PriorityClass
 from services.admission import metrics
+from services.admission.calibration import ServiceCalibration
 from services.admission.limiter import ConcurrencyLimit, FixedLimit
 from services.admission.shedding import MIN_RETRY_S, judge
 
@@ -70,6 +78,9 @@ class Ticket:
     expected_in_time: bool = False
     """The admission expected the request to finish before its deadline (its expected
     service time fitted the time it had left when it got its slot)."""
+    expected_s: float | None = None
+    """Set with `measured`: the service time the workers' rates expect for the request's
+    prompt and the tokens it produced (None: no rates); calibrates later estimates."""
 
 
 @dataclass(slots=True, eq=False)
@@ -92,16 +103,20 @@ class AdmissionQueue:
         service_aware: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`service_aware`: the expected service time a request comes with counts toward
-        shedding it (else only the wait does, as with `--admission fixed`)."""
+        """`service_aware`: the expected service time a request comes with, scaled by how
+        long finished requests took against theirs (calibration.py), counts toward shedding
+        it (else only the wait does, as with `--admission fixed`)."""
         self.limits = limits
         self.limiter = limiter if limiter is not None else FixedLimit(limits.max_in_flight)
         self.service_aware = service_aware
+        self.calibration = ServiceCalibration()
         self._clock = clock
         self._running = dict.fromkeys(PriorityClass, 0)
         self._waiting: dict[PriorityClass, deque[_Waiter]] = {p: deque() for p in PriorityClass}
         self._hold_s: float | None = None
         """Moving average of how long a request holds its slot; None before the first one."""
+        self._interactive_grants: deque[float] = deque()
+        """When interactive requests got their slots, over about the last hold period."""
 
     def running(self, priority: PriorityClass | None = None) -> int:
         if priority is None:
@@ -120,14 +135,18 @@ class AdmissionQueue:
         return max(1, math.floor(limit * share))
 
     def expected_wait_s(self, priority: PriorityClass) -> float:
-        """How long a request of `priority` queued now would wait (0 while unknown)."""
+        """How long a request of `priority` queued now would wait (0 while unknown); see
+        the module docstring."""
         if self._hold_s is None:
             return 0.0
-        ahead = self.waiting(PriorityClass.INTERACTIVE)
-        if priority is PriorityClass.BATCH:
-            ahead += self.waiting(PriorityClass.BATCH)
-        # Slots free up at about slots / hold_s per second; we need ahead + 1 of them.
-        return (ahead + 1) * self._hold_s / self.slots(priority)
+        # A hold period frees about `slots` slots; the interactive waiters take the first.
+        slots = self.slots(PriorityClass.INTERACTIVE)
+        interactive_s = self.waiting(PriorityClass.INTERACTIVE) * self._hold_s / slots
+        if priority is PriorityClass.INTERACTIVE:
+            return interactive_s + self._hold_s / slots
+        left_over = slots - self._recent_interactive_grants()
+        batch_slots = max(1, min(left_over, self.slots(PriorityClass.BATCH)))
+        return interactive_s + (self.waiting(PriorityClass.BATCH) + 1) * self._hold_s / batch_slots
 
     async def admit(
         self,
@@ -138,8 +157,7 @@ class AdmissionQueue:
         """Waits for a slot; `deadline` is on this queue's clock (time.monotonic by default),
         `service_s` the time the workers are expected to take (None: unknown)."""
         arrived = self._clock()
-        if not self.service_aware:
-            service_s = None
+        service_s = self.calibration.scaled(service_s) if self.service_aware else None
         if self._may_start(priority) and not self._anyone_ahead(priority):
             # A free slot: it costs no other request anything, so even a request that
             # cannot finish in time runs, and gets what its deadline allows (DEADLINE).
@@ -183,6 +201,9 @@ class AdmissionQueue:
             held if self._hold_s is None else ((1 - _SMOOTHING) * self._hold_s + _SMOOTHING * held)
         )
         if ticket.measured:
+            if ticket.expected_s is not None:
+                self.calibration.observe(held, ticket.expected_s)
+                metrics.SERVICE_CALIBRATION.set(self.calibration.factor)
             late = ticket.missed_deadline and ticket.expected_in_time
             self.limiter.observe(held / max(ticket.output_tokens, 1), in_flight, late)
         metrics.CONCURRENCY_LIMIT.set(self.limiter.limit)
@@ -204,7 +225,20 @@ class AdmissionQueue:
         """Takes (+1) or frees (-1) a slot: the one place the count changes, so its gauge
         shows it on every path (a slot granted to a waiter cancelled before it ran included)."""
         self._running[priority] += change
+        if change > 0 and priority is PriorityClass.INTERACTIVE:
+            self._interactive_grants.append(self._clock())
+            self._recent_interactive_grants()  # keeps the record one hold period long
         metrics.REQUESTS_RUNNING.labels(priority.name.lower()).set(self._running[priority])
+
+    def _recent_interactive_grants(self) -> int:
+        """Slots interactive requests took during the last hold period (all of them while
+        no hold was measured: nothing is dropped before the period is known)."""
+        grants = self._interactive_grants
+        if self._hold_s is not None:
+            since = self._clock() - self._hold_s
+            while grants and grants[0] < since:
+                grants.popleft()
+        return len(grants)
 
     def _shed_if_hopeless(
         self,

@@ -337,6 +337,8 @@ class Gateway:
             ticket.measured = reason in _MEASURED
             ticket.output_tokens = len(transcript.token_ids)
             ticket.missed_deadline = reason == common_pb2.FINISH_REASON_DEADLINE
+            if ticket.output_tokens:
+                ticket.expected_s = _service_s(job, ticket.output_tokens)
             await holdings.give_back(ticket)
 
     async def _route(
@@ -601,12 +603,14 @@ def _as_tool_calls(transcript: Transcript, plan: ToolPlan) -> None:
         finished.finish_reason = common_pb2.FINISH_REASON_TOOL_CALLS
 
 
-def _service_s(job: Job) -> float | None:
-    """The workers' expected time for the job's prompt and max_tokens (None: not measured)."""
+def _service_s(job: Job, output_tokens: int | None = None) -> float | None:
+    """The workers' expected time for the job's prompt and `output_tokens` (by default its
+    max_tokens); None while they are not measured."""
     rates = job.model.service_rates
     if rates is None:
         return None
-    return rates.service_s(len(job.prompt_ids), job.sampling.max_tokens)
+    tokens = job.sampling.max_tokens if output_tokens is None else output_tokens
+    return rates.service_s(len(job.prompt_ids), tokens)
 
 
 def _stop_at(arrived: float, time_remaining_s: float | None) -> float | None:

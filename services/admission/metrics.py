@@ -34,6 +34,10 @@ CONCURRENCY_LIMIT = Gauge(
     "kvmesh:admission_concurrency_limit",
     "Requests the gateway lets run toward the router at once now (adaptive or fixed).",
 )
+SERVICE_CALIBRATION = Gauge(
+    "kvmesh:admission_service_calibration",
+    "Factor on the workers' expected service time: recent requests' actual over expected (p90).",
+)
 REQUESTS_SHED = Counter(
     "kvmesh:requests_shed_total",
     "Requests refused by admission control, by priority and reason.",

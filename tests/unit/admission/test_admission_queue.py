@@ -306,3 +306,51 @@ async def test_late_means_a_deadline_missed_that_the_admission_expected_to_meet(
         q.release(ticket)
     assert (await asyncio.wait_for(queued, 1.0)).expected_in_time
     assert limit.seen == [(pytest.approx(1.0), 2, True), (pytest.approx(1.0), 2, False)]
+
+
+async def test_expected_service_is_scaled_by_what_finished_requests_took() -> None:
+    clock = ManualClock()
+    q = aware_queue(FixedLimit(4), clock)
+    # Eight requests each held their slot 3 s where the workers' rates expected 2 s.
+    for _ in range(q.calibration.min_samples):
+        ticket = await q.admit(INTERACTIVE)
+        clock.now += 3.0
+        ticket.measured, ticket.output_tokens, ticket.expected_s = True, 8, 2.0
+        q.release(ticket)
+    assert q.calibration.factor == pytest.approx(1.5)
+    held = [await q.admit(INTERACTIVE) for _ in range(4)]
+    # 3 s expected by the rates is 4.5 s as requests take it: with 5 s left and a wait
+    # ahead (each slot held 3 s, one of four freeing every 0.75 s) it does not fit.
+    with pytest.raises(ResourceExhausted, match=r"4\.500s"):
+        await q.admit(INTERACTIVE, deadline=clock.now + 5.0, service_s=3.0)
+    # A promise made on the scaled estimate: 3 s of rates is 4.5 s, over 4 s left.
+    for ticket in held:
+        q.release(ticket)
+    free = await q.admit(INTERACTIVE, deadline=clock.now + 4.0, service_s=3.0)
+    assert not free.expected_in_time
+
+
+async def test_batch_waits_for_the_slots_interactive_requests_leave_over() -> None:
+    clock = ManualClock()
+    q = aware_queue(FixedLimit(4), clock)  # 4 slots, batch at most 3
+    first = await q.admit(INTERACTIVE)
+    clock.now += 2.0
+    q.release(first)  # a slot is held 2 s: a hold period frees 4
+    held = [await q.admit(INTERACTIVE) for _ in range(4)]
+    # Interactive requests took 5 slots in the last 2 s: a batch request waits for the one
+    # slot a hold period is assumed to leave it, an interactive one for a quarter period.
+    assert q.expected_wait_s(INTERACTIVE) == pytest.approx(0.5)
+    assert q.expected_wait_s(BATCH) == pytest.approx(2.0)
+    with pytest.raises(ResourceExhausted, match=r"expected wait \(2\.000s\)"):
+        await q.admit(BATCH, deadline=clock.now + 2.5, service_s=1.0)
+    # No interactive grant in the last hold period: batch's share of 3 slots is back.
+    clock.now += 3.0
+    assert q.expected_wait_s(BATCH) == pytest.approx(2.0 / 3)
+    waiter = asyncio.create_task(q.admit(BATCH, deadline=clock.now + 2.5, service_s=1.0))
+    await settle()
+    assert q.waiting(BATCH) == 1
+    q.release(held.pop())
+    q.release(await waiter)
+    for ticket in held:
+        q.release(ticket)
+    assert q.running() == 0
