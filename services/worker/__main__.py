@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -126,6 +127,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Parses the configuration, loads the model and serves until SIGTERM."""
     config = load_config(WorkerConfig, argv)
     configure_logging(config, f"worker[{config.role}]")
+    config.validate()
+    os.nice(config.nice)  # before the engine starts: its processes inherit it
     asyncio.run(_run(config))
 
 

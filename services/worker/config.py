@@ -52,6 +52,12 @@ class WorkerConfig(ServerConfig):
     vllm_eager: bool = False
     """vLLM backend only: run the model eagerly instead of compiled by inductor (vLLM's CPU
     default, which costs a few minutes at start on a small CPU; tests take eager)."""
+    nice: int = 10
+    """How far below the services beside it the worker's CPU priority goes (added to its
+    niceness at start, 0-19; its engine's processes inherit it). On a machine it shares with
+    a gateway and a router, their short bursts of work (an admission decision, a refusal, a
+    streamed token) then preempt its compute threads instead of waiting behind a step; alone
+    in a container it changes nothing."""
 
     def validate(self) -> None:
         """Raises ValueError naming the first setting out of range."""
@@ -66,6 +72,8 @@ class WorkerConfig(ServerConfig):
             raise ValueError(f"kv_send_max_mb_s must be >= 0, got {self.kv_send_max_mb_s}")
         if self.engine not in ENGINE_KINDS:
             raise ValueError(f"engine must be one of {ENGINE_KINDS}, got {self.engine!r}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice must be in [0, 19], got {self.nice}")
         if self.kv_wire_format not in ("vllm", "native"):
             raise ValueError(f"kv_wire_format must be vllm or native, got {self.kv_wire_format!r}")
 

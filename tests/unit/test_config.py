@@ -112,3 +112,12 @@ def test_every_engine_setting_is_a_worker_flag_and_variable(
     for name in (f.name for f in dataclasses.fields(EngineConfig)):
         assert f"KVMESH_WORKER_{name.upper()}" in help_text
     assert "Reuse cached KV blocks of identical prefixes" in help_text
+
+
+def test_the_workers_niceness_is_checked() -> None:
+    from services.worker.config import WorkerConfig
+
+    assert load_config(WorkerConfig, [], environ={}).nice == 10
+    assert load_config(WorkerConfig, [], environ={"KVMESH_WORKER_NICE": "0"}).nice == 0
+    with pytest.raises(ValueError, match=r"nice must be in \[0, 19\], got 20"):
+        load_config(WorkerConfig, ["--nice", "20"], environ={}).validate()
