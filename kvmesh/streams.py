@@ -72,21 +72,13 @@ class CancelWatch(Generic[Message]):
             self.cancelled.set()
             return
 
-    async def caller_done(self, time_remaining_s: float | None = None) -> None:
-        """After the answer's last event: waits until the caller half-closes or sends its
-        Cancel, at most END_OF_STREAM_GRACE_S and half the time left before the call's
-        deadline (`time_remaining_s`, None: none). A Cancel racing the end of the stream then
-        reaches a call still open: grpc aio turns a write to a call whose status has arrived
-        into INTERNAL on the writer's side, losing the answer (grpc/grpc#36066). The call
-        still ends OK before its deadline with a caller that never half-closes: one whose
-        answer ended at the deadline would otherwise see DEADLINE_EXCEEDED, its Finished
-        event already read."""
-        if self._task is None or self._task.done():
-            return
-        grace_s = END_OF_STREAM_GRACE_S
-        if time_remaining_s is not None:
-            grace_s = min(grace_s, max(time_remaining_s, 0.0) / 2)
-        await asyncio.wait({self._task}, timeout=grace_s)
+    async def caller_done(self, timeout_s: float = END_OF_STREAM_GRACE_S) -> None:
+        """After the answer's last event: waits (at most `timeout_s`) until the caller
+        half-closes or sends its Cancel. A Cancel racing the end of the stream then reaches a
+        call still open: grpc aio turns a write to a call whose status has arrived into
+        INTERNAL on the writer's side, losing the answer (grpc/grpc#36066)."""
+        if self._task is not None and not self._task.done():
+            await asyncio.wait({self._task}, timeout=timeout_s)
 
     async def close(self) -> None:
         """Stops reading; safe to call more than once."""

@@ -43,7 +43,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 tenant, request, watch.cancelled, context.time_remaining()
             ):
                 yield event
-            await watch.caller_done(context.time_remaining())
+            await watch.caller_done()
         finally:
             await watch.close()
 

@@ -82,7 +82,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             async for event in in_span(span, events):
                 yield event
-            await watch.caller_done(context.time_remaining())
+            await watch.caller_done()
         finally:
             await watch.close()
             await _close_all(live)
