@@ -145,16 +145,25 @@ async def one_call(
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
             async for event in call:
                 events.append(event)
+                if event.HasField("finished"):
+                    # Half-closed after the answer's end, as the SDK does: the gateway keeps
+                    # the call open until then (or a Cancel), at most 1 s, so that a Cancel
+                    # racing the end still finds it open.
+                    outbox.put_nowait(None)
 
     reader = asyncio.ensure_future(read())
     started = time.monotonic()
     if ending != "deadline":
         await asyncio.wait({reader}, timeout=after_s)
-        if ending == "cancel":
-            # Not in the call's last moments: a write that grpc's core fails because the call
-            # just ended (its own deadline) makes grpc aio set the call's status to INTERNAL on
-            # this side (_write: set_internal_error), whatever the gateway answered.
-            if time.monotonic() - started < deadline_s - LAST_WRITE_MARGIN_S:
+        if reader.done():
+            pass  # the call already ended (a refusal, an answer): nothing left to end
+        elif ending == "cancel":
+            # A write that grpc's core fails because the call just ended makes grpc aio set
+            # the call's status to INTERNAL on this side (_write: set_internal_error), whatever
+            # the gateway answered. So the Cancel is written only once the request has started
+            # (before, the gateway may be refusing it: an error status, with no stream kept
+            # open for a racing write) and not in the call's last moments (its own deadline).
+            if events and time.monotonic() - started < deadline_s - LAST_WRITE_MARGIN_S:
                 outbox.put_nowait(gateway_pb2.GenerateClientMessage(cancel=common_pb2.Cancel()))
         else:
             call.cancel()
