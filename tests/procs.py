@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,9 +24,25 @@ STARTED: list[ServiceProcess] = []
 _ALARMS = (" ERROR ", " CRITICAL ", "Traceback (most recent call last)")
 
 
+_RECORD_START = re.compile(r"\d{4}-\d\d-\d\d ")
+"""How every log record of a service begins (kvmesh.telemetry's format): lines that do not
+are the rest of the record above them (a traceback, asyncio's task repr)."""
+
+
 def alarming_lines(output: str) -> list[str]:
-    """The ERROR/CRITICAL log lines and tracebacks in a service's output."""
-    return [line for line in output.splitlines() if any(a in line for a in _ALARMS)]
+    """The ERROR/CRITICAL log records and tracebacks in a service's output, each with the lines
+    that continue it (which say where: the traceback's frames, the task that was destroyed)."""
+    found: list[str] = []
+    in_alarm = False
+    for line in output.splitlines():
+        if any(alarm in line for alarm in _ALARMS):
+            found.append(line)
+            in_alarm = True
+        elif in_alarm and line and not _RECORD_START.match(line):
+            found[-1] += "\n" + line
+        else:
+            in_alarm = False
+    return found
 
 
 @dataclass
