@@ -11,6 +11,7 @@ balancers see it, and stops with the configured grace.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gc
 import inspect
@@ -162,12 +163,25 @@ def _wrap_stream(
         # A servicer that writes with context.write (grpc's own health Watch) returns a coroutine.
         return _wrap_unary(behavior, method, streaming, guard)  # type: ignore[arg-type]
 
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    # The handler writes the servicer's responses itself instead of yielding them to grpc:
+    # grpc abandons a response generator whose call is cancelled, and its finally blocks then
+    # run only when the collector finalizes it, on a task nobody holds (asyncio keeps weak
+    # references), so a task it waits for can be destroyed pending. Here a cancel lands in this
+    # task, which closes the servicer's generator before it ends.
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> None:
         try:
             if guard is not None:
                 guard.check(method, context)
-            async for response in behavior(_requests(request, streaming), context):
-                yield response
+            responses = behavior(_requests(request, streaming), context)
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    try:
+                        await context.write(response)
+                    except cygrpc.ExecuteBatchError:
+                        # The call ended under the write (the caller went away), as grpc's own
+                        # loop over a generator takes it: nobody is left to answer.
+                        log.debug("%s: the call ended before a response could be written", method)
+                        return
         except KvmeshError as error:
             await _report(context, error, method)
         except Exception as error:  # noqa: BLE001 - any bug must still end the RPC cleanly

@@ -12,7 +12,8 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Iterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,7 +167,7 @@ class Gateway:
         request: gateway_pb2.GenerateRequest,
         cancelled: asyncio.Event,
         time_remaining_s: float | None,
-    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
         """Runs one request; events Started, TokenChunk*, Finished (or raises a KvmeshError)."""
         arrived = time.monotonic()
         job = await self._prepare(tenant, request, arrived, time_remaining_s)
@@ -187,8 +188,9 @@ class Gateway:
                 raise AlreadyExists(f"request id {job.request_id!r} is already in flight")
             self._request_ids.add(key)
             try:
-                async for event in self._admit_and_run(job, transcript, cancelled):
-                    yield event
+                async with aclosing(self._admit_and_run(job, transcript, cancelled)) as events:
+                    async for event in events:
+                        yield event
             finally:
                 self._request_ids.discard(key)
         finally:
@@ -247,7 +249,7 @@ class Gateway:
 
     async def _admit_and_run(
         self, job: Job, transcript: Transcript, cancelled: asyncio.Event
-    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
         holdings = Holdings(self._in_background)
         try:
             if job.tenant.max_concurrent:
@@ -261,8 +263,10 @@ class Gateway:
                 lambda unsettled: self._abandon_books(job, transcript, unsettled),
                 interruptible=False,
             )
-            async for event in self._answer(job, transcript, reservation, holdings, cancelled):
-                yield event
+            answer = self._answer(job, transcript, reservation, holdings, cancelled)
+            async with aclosing(answer) as events:
+                async for event in events:
+                    yield event
         finally:
             await holdings.release_all()
 
@@ -273,11 +277,12 @@ class Gateway:
         reservation: Reservation,
         holdings: Holdings,
         cancelled: asyncio.Event,
-    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
         key = self._cache_key(job)
         try:
-            async for event in self._produce(job, transcript, key, holdings, cancelled):
-                yield event
+            async with aclosing(self._produce(job, transcript, key, holdings, cancelled)) as events:
+                async for event in events:
+                    yield event
         except ClientCancelled:
             transcript.finish(common_pb2.FINISH_REASON_ABORT)
         for event in transcript.ensure_started():
@@ -302,7 +307,7 @@ class Gateway:
         key: cache_pb2.CacheKey | None,
         holdings: Holdings,
         cancelled: asyncio.Event,
-    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
         """Started and chunks from the cache or the router; leaves transcript.finished set."""
         if key is not None and job.cache_policy == common_pb2.CACHE_POLICY_USE:
             hit = await run_unless_cancelled(self._lookup(key), cancelled)
@@ -328,8 +333,9 @@ class Gateway:
             raise ClientCancelled
         transcript.queue_s = ticket.queued_s
         try:
-            async for event in self._route(job, transcript, ticket, cancelled):
-                yield event
+            async with aclosing(self._route(job, transcript, ticket, cancelled)) as events:
+                async for event in events:
+                    yield event
         finally:
             # What the concurrency limit learns: the pace of a whole answer or of one that ran
             # into its deadline (a cancelled or failed answer says nothing about the workers).
@@ -343,7 +349,7 @@ class Gateway:
 
     async def _route(
         self, job: Job, transcript: Transcript, ticket: Ticket, cancelled: asyncio.Event
-    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
         """Streams the router's answer; leaves transcript.finished set."""
         span = _tracer.start_span("admission.route", attributes=_span_attributes(job))
         timeout = None if job.stop_at is None else max(job.stop_at - time.monotonic(), 0.001)

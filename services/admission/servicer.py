@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
@@ -39,10 +40,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         watch = CancelWatch(request_iterator, _cancel_reason)
         watch.start()
         try:
-            async for event in self._gateway.generate(
+            answer = self._gateway.generate(
                 tenant, request, watch.cancelled, context.time_remaining()
-            ):
-                yield event
+            )
+            async with aclosing(answer) as events:
+                async for event in events:
+                    yield event
             await watch.caller_done()
         finally:
             await watch.close()
