@@ -63,7 +63,7 @@ $(VLLM_STAMP): pyproject.toml
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/pytest -q -o addopts="" tests/vllm
+	$(VLLM_VENV)/bin/pytest -q -o addopts="" --timeout 600 tests/vllm
 
 # Containers with podman (no Docker engine, no systemd, no reachable registry): the base image
 # from Debian packages (mmdebstrap, imported), deploy/Dockerfile on it, and tests/compose/, which
