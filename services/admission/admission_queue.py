@@ -227,18 +227,22 @@ class AdmissionQueue:
         self._running[priority] += change
         if change > 0 and priority is PriorityClass.INTERACTIVE:
             self._interactive_grants.append(self._clock())
-            self._recent_interactive_grants()  # keeps the record one hold period long
+            self._forget_old_interactive_grants()
         metrics.REQUESTS_RUNNING.labels(priority.name.lower()).set(self._running[priority])
 
     def _recent_interactive_grants(self) -> int:
         """Slots interactive requests took during the last hold period (all of them while
         no hold was measured: nothing is dropped before the period is known)."""
+        self._forget_old_interactive_grants()
+        return len(self._interactive_grants)
+
+    def _forget_old_interactive_grants(self) -> None:
+        """Keeps the record of interactive grants one hold period long."""
         grants = self._interactive_grants
         if self._hold_s is not None:
             since = self._clock() - self._hold_s
             while grants and grants[0] < since:
                 grants.popleft()
-        return len(grants)
 
     def _shed_if_hopeless(
         self,
