@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,14 +84,18 @@ class EndedCallFilter(logging.Filter):
     other record passes as it is."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, cygrpc.ExecuteBatchError) and str(error).startswith(_ENDED_IN_CORE):
+        if _call_ended_under(record.exc_info[1] if record.exc_info else None):
             log.debug("%s: the call had ended (deadline or cancel) before it", record.getMessage())
             return False
         return True
 
 
 ENDED_CALL_FILTER = EndedCallFilter()
+
+
+def _call_ended_under(error: BaseException | None) -> bool:
+    """Whether `error` is gRPC's core failing a send because the call had already ended."""
+    return isinstance(error, cygrpc.ExecuteBatchError) and str(error).startswith(_ENDED_IN_CORE)
 
 
 def _method_labels(method: str) -> tuple[str, str]:
@@ -154,40 +158,41 @@ def _wrap_unary(
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[Any]],
+    behavior: Callable[..., Any],
     method: str,
     streaming: bool,
     guard: MeshGuard | None,
 ) -> Callable[..., Any]:
     if not inspect.isasyncgenfunction(behavior):
         # A servicer that writes with context.write (grpc's own health Watch) returns a coroutine.
-        return _wrap_unary(behavior, method, streaming, guard)  # type: ignore[arg-type]
+        return _wrap_unary(behavior, method, streaming, guard)
+    return _wrap_unary(_written(behavior, method), method, streaming, guard)
 
-    # The handler writes the servicer's responses itself instead of yielding them to grpc:
-    # grpc abandons a response generator whose call is cancelled, and its finally blocks then
-    # run only when the collector finalizes it, on a task nobody holds (asyncio keeps weak
-    # references), so a task it waits for can be destroyed pending. Here a cancel lands in this
-    # task, which closes the servicer's generator before it ends.
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> None:
-        try:
-            if guard is not None:
-                guard.check(method, context)
-            responses = behavior(_requests(request, streaming), context)
-            async with contextlib.aclosing(responses):
-                async for response in responses:
-                    try:
-                        await context.write(response)
-                    except cygrpc.ExecuteBatchError:
-                        # The call ended under the write (the caller went away), as grpc's own
-                        # loop over a generator takes it: nobody is left to answer.
-                        log.debug("%s: the call ended before a response could be written", method)
-                        return
-        except KvmeshError as error:
-            await _report(context, error, method)
-        except Exception as error:  # noqa: BLE001 - any bug must still end the RPC cleanly
-            await _report(context, _internal(error, method), method)
 
-    return wrapper
+def _written(
+    behavior: Callable[..., AsyncGenerator[Any]], method: str
+) -> Callable[..., Awaitable[None]]:
+    """A generator servicer as one that writes its responses itself, instead of yielding them
+    to grpc: grpc abandons a response generator whose call is cancelled, and its finally blocks
+    then run only when the collector finalizes it, on a task nobody holds (asyncio keeps weak
+    references), so a task it waits for can be destroyed pending. Here a cancel lands in the
+    call's own task, which closes the servicer's generator before it ends."""
+
+    async def write_all(requests: Any, context: grpc.aio.ServicerContext) -> None:
+        responses = behavior(requests, context)
+        async with contextlib.aclosing(responses):
+            async for response in responses:
+                try:
+                    await context.write(response)
+                except cygrpc.ExecuteBatchError as error:
+                    if not _call_ended_under(error):
+                        raise
+                    # The caller went away: nobody is left to answer (grpc's own loop over a
+                    # generator takes it so too).
+                    log.debug("%s: the call ended before a response could be written", method)
+                    return
+
+    return write_all
 
 
 def _internal(error: Exception, method: str) -> KvmeshError:

@@ -9,8 +9,7 @@ is attached once, at the start of the RPC, and dies with the task: nothing to de
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -67,27 +66,12 @@ def _traced_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Calla
     return wrapper
 
 
-def _traced_stream(behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., Any]:
-    if not inspect.isasyncgenfunction(behavior):
-        return _traced_unary(behavior, method)  # type: ignore[arg-type]
-
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        span = _start_span(method, context)
-        error: BaseException | None = None
-        try:
-            async for response in behavior(request, context):
-                yield response
-        except BaseException as caught:
-            error = caught
-            raise
-        finally:
-            _end_span(span, context, error)
-
-    return wrapper
-
-
 class TracingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every kvmesh handler in a SERVER span whose parent is the caller's span."""
+    """Wraps every kvmesh handler in a SERVER span whose parent is the caller's span.
+
+    It stands in front of kvmesh.grpc_server's error interceptor, whose handlers are all
+    coroutines (a streaming one writes its servicer's responses itself), so one wrapper serves
+    every kind of call."""
 
     async def intercept_service(
         self,
@@ -112,8 +96,8 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _traced_stream(handler.unary_stream, method), **codec
+                _traced_unary(handler.unary_stream, method), **codec
             )
         return grpc.stream_stream_rpc_method_handler(
-            _traced_stream(handler.stream_stream, method), **codec
+            _traced_unary(handler.stream_stream, method), **codec
         )
