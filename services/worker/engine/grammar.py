@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -96,7 +97,7 @@ class GrammarCompiler:
         max_rows: int,
     ) -> None:
         """make_backend runs once, on a compile thread, at preload() or else at the first
-        constrained request (the libraries and their tokenizer tables take seconds to load)."""
+        constrained request (a library's tokenizer tables take seconds to build)."""
         self._make_backend = make_backend
         self._loading: Future[GrammarBackend] | None = None
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvmesh-grammar")
@@ -209,15 +210,13 @@ def hf_tokenizer(tokenizer: Tokenizer) -> Any:
 
 
 def make_backend(name: str, tokenizer: Tokenizer, vocab_size: int) -> Callable[[], GrammarBackend]:
-    """A factory of the named backend over the engine's tokenizer (imported when called)."""
-
-    def build() -> GrammarBackend:
-        if name == "xgrammar":
-            from services.worker.engine.grammar_xgrammar import XgrammarBackend
-
-            return XgrammarBackend(tokenizer, vocab_size)
-        from services.worker.engine.grammar_llguidance import LlguidanceBackend
-
-        return LlguidanceBackend(tokenizer, vocab_size)
-
-    return build
+    """A factory of the named backend over the engine's tokenizer. The library is imported
+    here, on the caller's thread, and only its tables are built on a compile thread: an import
+    on a pool thread holds Python's lock on that module for as long as it runs, and one such
+    import never finished in CI, so that every later constrained request waited for it."""
+    backend: Callable[[Tokenizer, int], GrammarBackend]
+    if name == "xgrammar":
+        from services.worker.engine.grammar_xgrammar import XgrammarBackend as backend
+    else:
+        from services.worker.engine.grammar_llguidance import LlguidanceBackend as backend
+    return functools.partial(backend, tokenizer, vocab_size)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, cast
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import torch
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
 from kvmesh.contracts.constraints import Constraint, ConstraintKind, structural_tag
@@ -21,8 +21,6 @@ from services.worker.engine.grammar import (
 )
 
 if TYPE_CHECKING:
-    import torch
-
     from kvmesh.contracts.tokenizer import Tokenizer
 
 # The same compact JSON as the xgrammar backend writes (", " and ": ", no free whitespace).
@@ -71,8 +69,14 @@ class LlguidanceBackend:
         return _Matcher(llguidance.LLMatcher(self._tokenizer, cast(str, compiled), log_level=0))
 
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
+        # The executor writes raw memory: one int32 row of `words` per matcher, back to back.
+        # (llguidance.torch wraps this call too, but importing it runs torch.compile, which
+        # imports torch._dynamo and inductor: seconds, on the compile thread.)
+        if bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.is_cuda:
+            raise ValueError("the token bitmask must be a contiguous int32 CPU tensor")
         rows = [(cast(_Matcher, m).inner, i) for i, m in enumerate(matchers)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        batch, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, batch)
 
 
 def triggered_lark(text: str, tokenizer: llguidance.LLTokenizer) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -33,6 +35,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.grammar import GrammarCompiler, GrammarMatcher
 from services.worker.engine.grammar_xgrammar import XgrammarBackend
 from services.worker.engine.loader import LoadedModel, load_model
+from tests.procs import REPO_ROOT
 from tests.unit.engine.test_engine import Result, drive
 
 BACKENDS = ["xgrammar", "llguidance"]
@@ -309,6 +312,61 @@ def slow_compiler(build: SlowBuild, timeout_s: float) -> GrammarCompiler:
         build,  # type: ignore[arg-type]
         threads=1, timeout_s=timeout_s, cache_entries=4, vocab_size=64, max_rows=2,
     )  # fmt: skip
+
+
+# Run in a fresh interpreter: which modules a thread imported is only visible in a process
+# that had not imported them before.
+IMPORT_THREAD_PROBE = """
+import sys, threading
+import torch
+from kvmesh.contracts.constraints import Constraint, ConstraintKind
+from services.worker.engine.grammar import GrammarCompiler, make_backend
+from services.worker.engine.loader import load_model
+
+loaded = load_model(sys.argv[1])
+factory = make_backend(sys.argv[2], loaded.tokenizer, loaded.config.vocab_size)
+print("imported-before-build", f"services.worker.engine.grammar_{sys.argv[2]}" in sys.modules)
+imports = {}
+real_import = __builtins__.__import__
+
+def watched(name, *args, **kwargs):
+    if threading.current_thread() is not threading.main_thread():
+        imports.setdefault(name, threading.current_thread().name)
+    return real_import(name, *args, **kwargs)
+
+__builtins__.__import__ = watched
+compiler = GrammarCompiler(
+    factory, threads=1, timeout_s=60, cache_entries=4, vocab_size=loaded.config.vocab_size,
+    max_rows=2,
+)
+matcher = compiler.matcher(Constraint(ConstraintKind.REGEX, "[a-z]+"))
+logits = torch.zeros(1, loaded.config.vocab_size)
+compiler.mask_logits(logits, [matcher])
+print("masked", int(torch.isinf(logits).sum()) > 0)
+print("dynamo", "torch._dynamo" in sys.modules)
+ours = ("xgrammar", "llguidance", "services")
+print("thread-imports", sorted(name for name in imports if name.split(".")[0] in ours))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_backend_library_is_imported_by_the_engine_thread_and_never_by_a_compile_thread(
+    tiny_llama_dir: Path, backend: str
+) -> None:
+    """An import on a compile thread holds the module's import lock while it runs (one never
+    finished in CI, and every later constrained request waited on it); and llguidance's mask
+    path must not import torch._dynamo (its torch helpers run torch.compile at import)."""
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_THREAD_PROBE, str(tiny_llama_dir), backend],
+        capture_output=True, text=True, timeout=100, check=False, cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "imported-before-build True",
+        "masked True",
+        "dynamo False",
+        "thread-imports []",
+    ]
 
 
 def test_preload_builds_the_backend_once_and_before_any_compile() -> None:
