@@ -151,7 +151,13 @@ def _wrap_unary(
             return await behavior(_requests(request, streaming), context)
         except KvmeshError as error:
             await _report(context, error, method)
-        except Exception as error:  # noqa: BLE001 - any bug must still end the RPC cleanly
+        except Exception as error:  # any bug must still end the RPC cleanly
+            if _call_ended_under(error):
+                # A write failed because the caller had gone: grpc ends such a call without a
+                # status (EndedCallFilter quiets its log line). Returning instead would have it
+                # send the status, and after a failed first write that batch repeats the
+                # initial metadata, which core refuses (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS).
+                raise
             await _report(context, _internal(error, method), method)
 
     return wrapper
@@ -166,12 +172,10 @@ def _wrap_stream(
     if not inspect.isasyncgenfunction(behavior):
         # A servicer that writes with context.write (grpc's own health Watch) returns a coroutine.
         return _wrap_unary(behavior, method, streaming, guard)
-    return _wrap_unary(_written(behavior, method), method, streaming, guard)
+    return _wrap_unary(_written(behavior), method, streaming, guard)
 
 
-def _written(
-    behavior: Callable[..., AsyncGenerator[Any]], method: str
-) -> Callable[..., Awaitable[None]]:
+def _written(behavior: Callable[..., AsyncGenerator[Any]]) -> Callable[..., Awaitable[None]]:
     """A generator servicer as one that writes its responses itself, instead of yielding them
     to grpc: grpc abandons a response generator whose call is cancelled, and its finally blocks
     then run only when the collector finalizes it, on a task nobody holds (asyncio keeps weak
@@ -182,15 +186,7 @@ def _written(
         responses = behavior(requests, context)
         async with contextlib.aclosing(responses):
             async for response in responses:
-                try:
-                    await context.write(response)
-                except cygrpc.ExecuteBatchError as error:
-                    if not _call_ended_under(error):
-                        raise
-                    # The caller went away: nobody is left to answer (grpc's own loop over a
-                    # generator takes it so too).
-                    log.debug("%s: the call ended before a response could be written", method)
-                    return
+                await context.write(response)
 
     return write_all
 
