@@ -95,8 +95,8 @@ class EngineConfig:
     kernels/panel_linear.c, on weights packed once into panels of output columns), "onednn"
     (oneDNN's matmul on weights reordered once into its layout; either keeps a second copy of
     the weights in memory), "torch" (torch's transposed product up to 128 rows, its plain
-    product beyond), or "auto" (the panel kernel where the kernels are built for AVX-512,
-    else oneDNN where torch has it)."""
+    product beyond), or "auto" (the panel kernel where the kernels are built for AVX-512 or
+    AVX2, else oneDNN where torch has it)."""
 
     keep_freed_memory: bool = True
     """On the CPU, have the C allocator keep the memory a step frees for the next step instead
