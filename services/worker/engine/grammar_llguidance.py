@@ -71,8 +71,8 @@ class LlguidanceBackend:
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher], bitmask: torch.Tensor) -> None:
         # The executor writes raw memory: one int32 row of `words` per matcher, back to back.
         # (llguidance.torch wraps this call too, but importing it runs torch.compile, which
-        # imports torch._dynamo and inductor: seconds, on the compile thread.)
-        if bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.is_cuda:
+        # imports torch._dynamo and inductor: seconds for nothing the engine uses.)
+        if bitmask.dtype != torch.int32 or not (bitmask.is_contiguous() and bitmask.is_cpu):
             raise ValueError("the token bitmask must be a contiguous int32 CPU tensor")
         rows = [(cast(_Matcher, m).inner, i) for i, m in enumerate(matchers)]
         batch, words = bitmask.shape
