@@ -21,8 +21,8 @@ OVERSIZED = common_pb2.KvChunk(data=b"x" * (MAX_MESSAGE_BYTES + 1))
 
 
 class Chunks(worker_pb2_grpc.WorkerServicer):
-    """PullKv answers block_indices[0] small chunks, then one over the send limit if asked
-    for more than one block (block_indices[1] != 0)."""
+    """PullKv answers block_indices[0] small chunks, then, where block_indices[1] is not 0,
+    one over the send limit."""
 
     async def PullKv(
         self, request: worker_pb2.PullKvRequest, context: grpc.aio.ServicerContext

@@ -76,7 +76,8 @@ class LlguidanceBackend:
             raise ValueError("the token bitmask must be a contiguous int32 CPU tensor")
         rows = [(cast(_Matcher, m).inner, i) for i, m in enumerate(matchers)]
         batch, words = bitmask.shape
-        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, batch)
+        row_bytes = words * bitmask.element_size()
+        self._executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), row_bytes, batch)
 
 
 def triggered_lark(text: str, tokenizer: llguidance.LLTokenizer) -> str:

@@ -326,12 +326,12 @@ from services.worker.engine.loader import load_model
 loaded = load_model(sys.argv[1])
 factory = make_backend(sys.argv[2], loaded.tokenizer, loaded.config.vocab_size)
 print("imported-before-build", f"services.worker.engine.grammar_{sys.argv[2]}" in sys.modules)
-imports = {}
+imports = set()
 real_import = __builtins__.__import__
 
 def watched(name, *args, **kwargs):
     if threading.current_thread() is not threading.main_thread():
-        imports.setdefault(name, threading.current_thread().name)
+        imports.add(name)
     return real_import(name, *args, **kwargs)
 
 __builtins__.__import__ = watched
