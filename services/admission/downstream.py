@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from kvmesh.client_streams import open_stream
 from kvmesh.rpc_status import error_from_rpc
 from kvmesh.service_rates import ServiceRates
 from kvmesh.v1 import (
@@ -80,7 +81,9 @@ class RouterStream:
     ) -> None:
         self._outbox: asyncio.Queue[router_pb2.RouteMessage | None] = asyncio.Queue()
         self._outbox.put_nowait(router_pb2.RouteMessage(request=request))
-        self._call = stub.Generate(self._messages(), timeout=timeout_s)
+        self._call = open_stream(
+            lambda requests: stub.Generate(requests, timeout=timeout_s), self._messages()
+        )
         self._cancel_grace_s = cancel_grace_s
         self._cut_timer: asyncio.TimerHandle | None = None
         self._cut = False

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from kvmesh.client_streams import open_stream
 from kvmesh.errors import KvmeshError
 from kvmesh.rpc_status import error_from_rpc
 from kvmesh.v1 import common_pb2, worker_pb2
@@ -62,7 +63,11 @@ class GrpcWorkers:
         stub = self._peers.worker(address)
         message = worker_pb2.WorkerGenerateMessage(request=request)
         return _events(
-            lambda: stub.Generate(iter((message,)), timeout=time_left), "Generate", address
+            lambda: open_stream(
+                lambda requests: stub.Generate(requests, timeout=time_left), (message,)
+            ),
+            "Generate",
+            address,
         )
 
     async def prefill(
@@ -81,7 +86,13 @@ class GrpcWorkers:
     ) -> AsyncGenerator[common_pb2.GenerateEvent]:
         stub = self._peers.worker(address)
         message = worker_pb2.DecodeMessage(start=start)
-        return _events(lambda: stub.Decode(iter((message,)), timeout=time_left), "Decode", address)
+        return _events(
+            lambda: open_stream(
+                lambda requests: stub.Decode(requests, timeout=time_left), (message,)
+            ),
+            "Decode",
+            address,
+        )
 
     async def release(self, address: str, lease_id: str) -> None:
         try:
@@ -96,12 +107,12 @@ async def _events(
     open_call: Callable[[], Any], rpc: str, address: str
 ) -> AsyncGenerator[common_pb2.GenerateEvent]:
     """A bidi call's events. The call opens when the first event is asked for, its one message
-    given as the request iterator: grpc sends it and half-closes on its own task, which ends
-    with the iterator. (Our own write/done_writing went through grpc.aio's interceptor proxy, a
-    queue read by grpc's request task, which waits on it forever when the call ends by itself,
-    a deadline, between the write and done_writing: "Task was destroyed but it is pending!"
-    in the router's log under deadline storms.) The call is cancelled when this closes (the
-    router stops a worker by cancelling the call, never by a Cancel message)."""
+    given as the request iterator (through open_stream): grpc sends it and half-closes on its
+    own task, which ends with the iterator. (Our own write/done_writing went through grpc.aio's
+    interceptor proxy, a queue read by grpc's request task, which waits on it forever when the
+    call ends by itself, a deadline, between the write and done_writing: "Task was destroyed
+    but it is pending!" in the router's log under deadline storms.) The call is cancelled when
+    this closes (the router stops a worker by cancelling the call, never by a Cancel message)."""
     call = open_call()
     try:
         async for event in call:
