@@ -7,6 +7,7 @@ drives it from one thread, LLM from the caller's.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -97,7 +98,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(
-            make_backend(config.grammar_backend, loaded.tokenizer, self.vocab_size),
+            functools.partial(
+                make_backend, config.grammar_backend, loaded.tokenizer, self.vocab_size
+            ),
             threads=config.grammar_compile_threads,
             timeout_s=config.grammar_compile_timeout_s,
             cache_entries=config.grammar_cache_entries,

@@ -88,7 +88,7 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        make_backend: Callable[[], GrammarBackend],
+        import_backend: Callable[[], Callable[[], GrammarBackend]],
         *,
         threads: int,
         timeout_s: float,
@@ -96,9 +96,11 @@ class GrammarCompiler:
         vocab_size: int,
         max_rows: int,
     ) -> None:
-        """make_backend runs once, on a compile thread, at preload() or else at the first
-        constrained request (a library's tokenizer tables take seconds to build)."""
-        self._make_backend = make_backend
+        """import_backend runs once, at preload() or else at the first constrained request, on
+        that caller's thread (it imports the library: see make_backend); the build it returns
+        runs on a compile thread (a library's tokenizer tables take seconds to build). An
+        engine that never sees a constraint imports no grammar library."""
+        self._import_backend = import_backend
         self._loading: Future[GrammarBackend] | None = None
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvmesh-grammar")
         self.timeout_s = timeout_s
@@ -123,7 +125,7 @@ class GrammarCompiler:
         order, so a compile thread waiting for the build never holds the thread it needs."""
         with self._lock:
             if self._loading is None:
-                self._loading = self._pool.submit(self._make_backend)
+                self._loading = self._pool.submit(self._import_backend())
             return self._loading
 
     def submit(self, constraint: Constraint) -> Future[object]:
@@ -210,7 +212,7 @@ def hf_tokenizer(tokenizer: Tokenizer) -> Any:
 
 
 def make_backend(name: str, tokenizer: Tokenizer, vocab_size: int) -> Callable[[], GrammarBackend]:
-    """A factory of the named backend over the engine's tokenizer. The library is imported
+    """The build of the named backend over the engine's tokenizer. The library is imported
     here, on the caller's thread, and only its tables are built on a compile thread: an import
     on a pool thread holds Python's lock on that module for as long as it runs, and one such
     import never finished in CI, so that every later constrained request waited for it."""
