@@ -87,6 +87,9 @@ TCMALLOC = (
 )
 # kvmesh's default large-batch projections first (its figures), then the alternatives.
 LARGE_BATCH_MODES = ("auto", "onednn", "torch")
+# The panel kernel asking for its next panel ahead, and not: "auto" prefetches on Intel only
+# (linear_kernel.PREFETCH_BY_DEFAULT_VENDORS), so both are timed for the CPUs not yet decided.
+PANEL_PREFETCH_MODES = ("panels-prefetch", "panels")
 # What runs the larger steps' projections, by SmallBatchLinear.large's type.
 LARGE_PRODUCTS = {
     "PanelLinear": "the panel kernel",
@@ -369,7 +372,7 @@ def steps_child(model_dir: str) -> dict[str, Any]:
             loaded,
             EngineConfig(model=model_dir, num_kv_blocks=32 * 24 + 64, large_batch_linear=mode),
         ).runner
-        for mode in LARGE_BATCH_MODES
+        for mode in (*LARGE_BATCH_MODES, *PANEL_PREFETCH_MODES)
     }
     config = loaded.config
     rng = random.Random(7)
@@ -423,6 +426,7 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         # Steps of up to this many rows run on the small-batch kernel in the default mode.
         "small_batch_max_rows": getattr(project, "float_max_rows", 0),
         "large_batch_product": type(getattr(project, "large", None)).__name__,
+        "panel_prefetch": getattr(getattr(project, "large", None), "prefetch", False),
         "step_flops": flops,
         "weight_bytes": weight_bytes(loaded),
         "copy_bytes_per_s": copy_bandwidth(),
@@ -1116,6 +1120,17 @@ def step_lines(report: Report) -> list[str]:
             f"{name} {default[name] / onednn[name]:.2f}x / {default[name] / plain[name]:.2f}x "
             "the time"
             for name in larger
+        )
+        + "."
+    )
+    prefetching, plain_panels = (
+        steps["step_s_by_large_batch_linear"][m] for m in PANEL_PREFETCH_MODES
+    )
+    lines.append(
+        "- the panel kernel asking for its next panel while it runs the current one vs not "
+        f'("auto" prefetches on this CPU: {"yes" if steps["panel_prefetch"] else "no"}): '
+        + ", ".join(
+            f"{name} {prefetching[name] / plain_panels[name]:.2f}x the time" for name in larger
         )
         + "."
     )

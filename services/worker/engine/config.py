@@ -10,7 +10,7 @@ QUANTIZATIONS = ("none", "int8")
 ATTENTION_MODES = ("auto", "kernel", "sdpa")  # decode_attention and prefill_attention
 KERNEL_OR_TORCH = ("auto", "kernel", "torch")  # small_batch_linear and rope_store
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
-LARGE_BATCH_LINEAR = ("auto", "panels", "onednn", "torch")
+LARGE_BATCH_LINEAR = ("auto", "panels", "panels-prefetch", "onednn", "torch")
 
 
 @dataclass(slots=True)
@@ -92,11 +92,13 @@ class EngineConfig:
     large_batch_linear: str = "auto"
     """Where the small-batch kernel runs, how the float32 projections of steps of more rows
     (larger decode batches, prefill chunks) run: "panels" (the panel kernel,
-    kernels/panel_linear.c, on weights packed once into panels of output columns), "onednn"
-    (oneDNN's matmul on weights reordered once into its layout; either keeps a second copy of
-    the weights in memory), "torch" (torch's transposed product up to 128 rows, its plain
-    product beyond), or "auto" (the panel kernel where the kernels are built for AVX-512 or
-    AVX2, else oneDNN where torch has it)."""
+    kernels/panel_linear.c, on weights packed once into panels of output columns),
+    "panels-prefetch" (the same, asking for its next panel while it runs the current one),
+    "onednn" (oneDNN's matmul on weights reordered once into its layout; any of these keeps
+    a second copy of the weights in memory), "torch" (torch's transposed product up to 128
+    rows, its plain product beyond), or "auto" (the panel kernel where the kernels are built
+    for AVX-512 or AVX2, prefetching on Intel CPUs, where it was measured faster; else
+    oneDNN where torch has it)."""
 
     keep_freed_memory: bool = True
     """On the CPU, have the C allocator keep the memory a step frees for the next step instead

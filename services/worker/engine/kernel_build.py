@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -138,12 +139,28 @@ def _cache_dir() -> Path:
 
 def _cpu_id() -> bytes:
     """What -march=native depends on: the CPU's model and feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    lines = _cpuinfo_lines()
+    if not lines:
         return platform.processor().encode()
     wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
     return "\n".join(sorted(set(wanted))).encode()
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where it has none."""
+    for line in _cpuinfo_lines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def _cpuinfo_lines() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
 
 
 def _run(command: list[str]) -> str:

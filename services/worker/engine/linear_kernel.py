@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from services.worker.engine.huge_pages import huge_page_bytes
-from services.worker.engine.kernel_build import choose_kernel, load_library
+from services.worker.engine.kernel_build import choose_kernel, cpu_vendor, load_library
 from services.worker.engine.models.llama import RMSNorm, project_with_torch, projection_input
 from services.worker.engine.quant import Int8Linear
 
@@ -56,6 +56,11 @@ PANEL_MIN_ROWS = 2
 # prefill 0.83-0.85x the time, 128 tokens 0.76-0.82x, 64 tokens beside 16 decode rows 0.72x,
 # decode steps of 2-4 rows 0.85-0.95x, of 8-16 rows 0.98-1.04x, of 32-64 rows 0.77-0.93x.
 PANELS_BY_DEFAULT_LANES = frozenset({8, 16})
+# The CPU vendors (/proc/cpuinfo's vendor_id) on which "auto" runs the panel kernel
+# prefetching its next panel (kernels/panel_linear.c): Intel, where SmolLM2-135M's decode-size
+# projections took 0.64-0.74x the time (family 6 model 207, AVX-512; 512 rows a tie). Not yet
+# measured on AMD, where asking for a whole panel at once had been slower (Zen 5).
+PREFETCH_BY_DEFAULT_VENDORS = frozenset({"GenuineIntel"})
 # From there up to this many rows, torch's matmul (MKL) is faster asked for the transposed
 # product W x^T than for x W^T (measured on the target CPU, side by side: decode steps of 32
 # rows 16% shorter, of 64 rows 10%; at 512 rows the plain product is faster again).
@@ -275,8 +280,10 @@ class PanelLinear(LaidOutLinear):
     """x W^T by the panel kernel (kernels/panel_linear.c) on W packed once (on first use)
     into panels of output columns."""
 
-    def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
-        self.function = library.panel_linear
+    def __init__(self, library: ctypes.CDLL, num_threads: int, prefetch: bool = False) -> None:
+        """prefetch: each thread asks for its next panel while it runs the current one."""
+        self.prefetch = prefetch
+        self.function = library.panel_linear_prefetching if prefetch else library.panel_linear
         self.function.restype = None
         self.function.argtypes = [
             *(_POINTER, _INT, _INT, _INT),  # x, rows, x row stride, ins
@@ -401,14 +408,16 @@ def load_linear_kernel(num_threads: int, large_mode: str = "torch") -> SmallBatc
 
 def large_product(mode: str, lanes: int, num_threads: int) -> LaidOutLinear | None:
     """The product of the larger steps for EngineConfig.large_batch_linear: "panels" the panel
-    kernel, "onednn" PackedLinear, "torch" None (torch's products); "auto" the panel kernel
-    where the kernels' vectors are PANELS_BY_DEFAULT_LANES floats wide, else oneDNN where
-    torch has it."""
+    kernel ("panels-prefetch" prefetching), "onednn" PackedLinear, "torch" None (torch's
+    products); "auto" the panel kernel where the kernels' vectors are PANELS_BY_DEFAULT_LANES
+    floats wide (prefetching on PREFETCH_BY_DEFAULT_VENDORS), else oneDNN where torch has
+    it."""
     if mode == "auto":
+        panels = "panels-prefetch" if cpu_vendor() in PREFETCH_BY_DEFAULT_VENDORS else "panels"
         default = "onednn" if onednn_available() else "torch"
-        mode = "panels" if lanes in PANELS_BY_DEFAULT_LANES else default
-    if mode == "panels":
-        return PanelLinear(load_library("panel_linear"), num_threads)
+        mode = panels if lanes in PANELS_BY_DEFAULT_LANES else default
+    if mode in ("panels", "panels-prefetch"):
+        return PanelLinear(load_library("panel_linear"), num_threads, mode == "panels-prefetch")
     return PackedLinear() if mode == "onednn" else None
 
 

@@ -13,13 +13,15 @@ import torch
 
 from services.worker.engine import kernel_build
 from services.worker.engine.decode_kernel import choose_decode_kernel, load_decode_kernel
-from services.worker.engine.kernel_build import KernelUnavailable, load_library
+from services.worker.engine.kernel_build import KernelUnavailable, cpu_vendor, load_library
 from services.worker.engine.linear_kernel import (
     PANELS_BY_DEFAULT_LANES,
+    PREFETCH_BY_DEFAULT_VENDORS,
     PackedLinear,
     PanelLinear,
     choose_linear_kernel,
     kernel_lanes,
+    large_product,
     load_linear_kernel,
     onednn_available,
 )
@@ -132,17 +134,52 @@ def test_a_changed_header_builds_the_kernel_again(
     assert kernel_build.load_library("uses").uses() == 2
 
 
-@pytest.mark.parametrize("large", ["auto", "panels", "onednn", "torch"])
+@pytest.mark.parametrize("large", ["auto", "panels", "panels-prefetch", "onednn", "torch"])
 def test_large_steps_take_the_product_they_are_told(large: str) -> None:
     chosen = choose_linear_kernel("auto", CPU, torch.float32, 1, large)
     assert chosen is load_linear_kernel(1, large)
     assert chosen is not None
-    products = {"panels": PanelLinear, "onednn": PackedLinear, "torch": type(None)}
-    if large == "auto":  # by the kernels' vector width, as built for this CPU
+    products = {
+        "panels": PanelLinear,
+        "panels-prefetch": PanelLinear,
+        "onednn": PackedLinear,
+        "torch": type(None),
+    }
+    if large == "auto":  # by the kernels' vector width, as built for this CPU, and its maker
         lanes = kernel_lanes(load_library("small_batch_linear"))
         default = "onednn" if onednn_available() else "torch"
-        large = "panels" if lanes in PANELS_BY_DEFAULT_LANES else default
+        intel = cpu_vendor() in PREFETCH_BY_DEFAULT_VENDORS
+        panels = "panels-prefetch" if intel else "panels"
+        large = panels if lanes in PANELS_BY_DEFAULT_LANES else default
     assert type(chosen.large) is products[large]
+    if isinstance(chosen.large, PanelLinear):
+        prefetching = large == "panels-prefetch"
+        name = "panel_linear_prefetching" if prefetching else "panel_linear"
+        assert chosen.large.function.__name__ == name
+
+
+@pytest.mark.parametrize(
+    ("vendor", "function"),
+    [
+        ("GenuineIntel", "panel_linear_prefetching"),
+        ("AuthenticAMD", "panel_linear"),
+        ("", "panel_linear"),
+    ],
+)
+def test_auto_prefetches_panels_on_the_vendors_where_that_was_measured_faster(
+    monkeypatch: pytest.MonkeyPatch, vendor: str, function: str
+) -> None:
+    cpuinfo = ["processor\t: 0", f"vendor_id\t: {vendor}", "flags\t: fpu"] if vendor else []
+    monkeypatch.setattr(kernel_build, "_cpuinfo_lines", lambda: cpuinfo)
+    kernel_build.cpu_vendor.cache_clear()
+    try:
+        assert kernel_build.cpu_vendor() == vendor
+        for lanes in PANELS_BY_DEFAULT_LANES:
+            product = large_product("auto", lanes, 1)
+            assert isinstance(product, PanelLinear)
+            assert product.function.__name__ == function
+    finally:
+        kernel_build.cpu_vendor.cache_clear()
 
 
 @pytest.mark.parametrize(

@@ -252,11 +252,12 @@ def large_products() -> dict[str, Callable[[], LaidOutLinear]]:
     return {
         "onednn": PackedLinear,
         "panels": lambda: PanelLinear(load_library("panel_linear"), 2),
+        "panels-prefetch": lambda: PanelLinear(load_library("panel_linear"), 2, prefetch=True),
     }
 
 
 # 100 outputs: three whole panels and a part of one on AVX-512, six and a part on AVX2.
-@pytest.mark.parametrize("large", ["onednn", "panels"])
+@pytest.mark.parametrize("large", ["onednn", "panels", "panels-prefetch"])
 @pytest.mark.parametrize("fused", ["", "norm", "gated+residual", "bias", "norm+bias+residual"])
 def test_larger_steps_run_on_weights_laid_out_once(fused: str, large: str) -> None:
     packed = large_products()[large]()
@@ -280,6 +281,24 @@ def test_larger_steps_run_on_weights_laid_out_once(fused: str, large: str) -> No
     assert packed.num_copies == 1  # laid out on first use, then reused
     del module, call
     assert packed.num_copies == 0  # the copy went with its weight
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefetching_its_next_panel_changes_no_bit_of_the_panel_kernels_product(
+    threads: int,
+) -> None:
+    """Every tile count (its share of the next panel's lines, down to none), a last panel in
+    part, both thread counts (each thread's last panel asks for the next thread's first)."""
+    library = load_library("panel_linear")
+    plain, prefetching = PanelLinear(library, threads), PanelLinear(library, threads, True)
+    assert prefetching.function.__name__ == "panel_linear_prefetching"
+    generator = torch.Generator().manual_seed(11)
+    module = linear(96, 100, generator, bias=True)
+    for rows in (*range(1, 18), 64, 129, 512):
+        x = torch.randn(rows, 96, generator=generator)
+        with torch.inference_mode():
+            expected = plain(module.weight, x, None, module.bias)
+            assert torch.equal(prefetching(module.weight, x, None, module.bias), expected)
 
 
 def counted_panels(rows: list[int]) -> PanelLinear:
