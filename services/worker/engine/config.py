@@ -93,7 +93,8 @@ class EngineConfig:
     """Where the small-batch kernel runs, how the float32 projections of steps of more rows
     (larger decode batches, prefill chunks) run: "panels" (the panel kernel,
     kernels/panel_linear.c, on weights packed once into panels of output columns),
-    "panels-prefetch" (the same, asking for its next panel while it runs the current one),
+    "panels-prefetch" (the same, asking for its next panel while it runs the current one,
+    its rows in blocks that stay in L2),
     "onednn" (oneDNN's matmul on weights reordered once into its layout; any of these keeps
     a second copy of the weights in memory), "torch" (torch's transposed product up to 128
     rows, its plain product beyond), or "auto" (the panel kernel where the kernels are built

@@ -57,9 +57,10 @@ PANEL_MIN_ROWS = 2
 # decode steps of 2-4 rows 0.85-0.95x, of 8-16 rows 0.98-1.04x, of 32-64 rows 0.77-0.93x.
 PANELS_BY_DEFAULT_LANES = frozenset({8, 16})
 # The CPU vendors (/proc/cpuinfo's vendor_id) on which "auto" runs the panel kernel
-# prefetching its next panel (kernels/panel_linear.c): Intel, where SmolLM2-135M's decode-size
-# projections took 0.64-0.74x the time (family 6 model 207, AVX-512; 512 rows a tie). Not yet
-# measured on AMD, where asking for a whole panel at once had been slower (Zen 5).
+# prefetching its next panel, its rows in blocks that stay in L2 (kernels/panel_linear.c):
+# Intel, where SmolLM2-135M's decode-size projections took 0.64-0.74x the time and 1,024-row
+# ones 0.92x (family 6 model 207, AVX-512; 512 rows a tie). Not yet measured on AMD, where
+# asking for a whole panel at once had been slower (Zen 5).
 PREFETCH_BY_DEFAULT_VENDORS = frozenset({"GenuineIntel"})
 # From there up to this many rows, torch's matmul (MKL) is faster asked for the transposed
 # product W x^T than for x W^T (measured on the target CPU, side by side: decode steps of 32

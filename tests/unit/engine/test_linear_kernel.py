@@ -288,14 +288,18 @@ def test_prefetching_its_next_panel_changes_no_bit_of_the_panel_kernels_product(
     threads: int,
 ) -> None:
     """Every tile count (its share of the next panel's lines, down to none), a last panel in
-    part, both thread counts (each thread's last panel asks for the next thread's first)."""
+    part, both thread counts (each thread's last panel asks for the next thread's first), and
+    rows that outgrow any L2 (6 MB and more of x: the prefetching kernel runs them in blocks,
+    the last one partly filled)."""
     library = load_library("panel_linear")
     plain, prefetching = PanelLinear(library, threads), PanelLinear(library, threads, True)
     assert prefetching.function.__name__ == "panel_linear_prefetching"
     generator = torch.Generator().manual_seed(11)
-    module = linear(96, 100, generator, bias=True)
-    for rows in (*range(1, 18), 64, 129, 512):
-        x = torch.randn(rows, 96, generator=generator)
+    shapes = [(96, rows) for rows in (*range(1, 18), 64, 129, 512)] + [(1536, 1000), (1536, 2003)]
+    modules = {ins: linear(ins, 100, generator, bias=True) for ins in (96, 1536)}
+    for ins, rows in shapes:
+        module = modules[ins]
+        x = torch.randn(rows, ins, generator=generator)
         with torch.inference_mode():
             expected = plain(module.weight, x, None, module.bias)
             assert torch.equal(prefetching(module.weight, x, None, module.bias), expected)
