@@ -43,12 +43,24 @@ class SchedulerOutput:
         return sum(chunk.num_tokens for chunk in self.chunks)
 
 
+TAIL_SHARE = 16
+"""A prompt whose chunk would leave at most 1/TAIL_SHARE of the step budget for a later step
+takes those last tokens in this step, over the budget by that much: alone they would cost a
+step's whole pass over the weights, and the prompt's first token a step's wait. bench.peers on
+an Intel Xeon (2 cores), budget 1,024, two runs 20 minutes apart: a 1,024-token prefix + 32
+cold 986 vs 1,002 ms to the first token; the serving row (32 prompts of 128 tokens at once)
+TTFT p50 1,862 vs 2,257 ms, p99 3,474 vs 3,457, TPOT p50 84 vs 77 ms (more requests decode
+while others still prefill), 283.0 vs 284.7 tok/s."""
+
+
 class Scheduler:
     """Waiting queues per priority class and the running set."""
 
     def __init__(self, kv: KvCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.tail_tokens = max_num_batched_tokens // TAIL_SHARE
+        """Most tokens a chunk may take over the budget to finish its prompt."""
         self.max_num_seqs = max_num_seqs
         self.waiting: dict[Priority, deque[RequestState]] = {p: deque() for p in Priority}
         self.running: list[RequestState] = []
@@ -113,13 +125,14 @@ class Scheduler:
         budget: int,
     ) -> int:
         """Chunks for the running requests of one class, oldest first; returns the budget
-        left. Preempts (batch first, newest first) when the pool cannot grow a request."""
+        left (below 0 after a prompt's tail). Preempts (batch first, newest first) when the
+        pool cannot grow a request."""
         for state in sorted(self.running, key=_preemption_order):
-            if budget == 0:
+            if budget <= 0:
                 break
             if state.status is not RequestStatus.RUNNING or state.priority is not priority:
                 continue  # another class, or preempted earlier in this loop
-            num_new = min(state.num_tokens - state.num_computed_tokens, budget)
+            num_new = self._chunk_tokens(state.num_tokens - state.num_computed_tokens, budget)
             if num_new > 1 and not prefills_allowed:
                 continue
             while not self.kv.allocate_slots(state, num_new):
@@ -146,7 +159,7 @@ class Scheduler:
             state = queue[0]
             cached = self.kv.find_cached_prefix(state)
             num_cached = len(cached) * self.kv.block_size
-            num_new = min(state.num_tokens - num_cached, budget)
+            num_new = self._chunk_tokens(state.num_tokens - num_cached, budget)
             if not self.kv.admit(state, cached, num_new):
                 break  # the head doesn't fit: nobody behind it jumps the queue
             queue.popleft()
@@ -159,6 +172,12 @@ class Scheduler:
             scheduled[state] = _chunk(state, num_cached, num_new)
             budget -= num_new
         return budget
+
+    def _chunk_tokens(self, remaining: int, budget: int) -> int:
+        """A chunk's tokens: all that remain where they fit the budget or outgrow it by at
+        most tail_tokens (the budget then goes below 0 and the step takes nothing more), else
+        the budget."""
+        return remaining if remaining <= budget + self.tail_tokens else budget
 
     def _preempt(self, state: RequestState) -> None:
         self.running.remove(state)

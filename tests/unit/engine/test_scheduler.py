@@ -2,7 +2,7 @@ from services.worker.engine.api import Priority
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.kv_cache_manager import KvCacheManager
 from services.worker.engine.request import RequestState, RequestStatus
-from services.worker.engine.scheduler import Scheduler, SchedulerOutput
+from services.worker.engine.scheduler import TAIL_SHARE, Scheduler, SchedulerOutput
 from tests.unit.engine.factories import make_state
 
 BS = 4
@@ -35,6 +35,25 @@ def test_prefill_is_chunked_under_the_token_budget() -> None:
     # Decodes first, then the rest of b's prompt.
     assert shape(run(sched)) == [("a", 8, 1, True), ("b", 2, 6, True)]
     assert shape(run(sched)) == [("a", 9, 1, True), ("b", 8, 1, True)]
+
+
+def test_a_prompt_whose_last_chunk_would_leave_a_few_tokens_takes_them_over_the_budget() -> None:
+    """Budget 64: up to 64 // TAIL_SHARE = 4 tokens over it, to finish a prompt in this step.
+    The step then admits nothing more; a remainder longer than that is cut at the budget."""
+    sched = scheduler(num_blocks=128, budget=64)
+    assert sched.tail_tokens == 64 // TAIL_SHARE == 4
+    sched.add(make_state("tail", range(68), arrival_seq=0))
+    sched.add(make_state("next", range(1000, 1008), arrival_seq=1))
+    assert shape(run(sched)) == [("tail", 0, 68, True)]
+    assert shape(run(sched)) == [("tail", 68, 1, True), ("next", 0, 8, True)]
+    # Beside two decodes 62 tokens are left: a 65-token prompt takes 3 over them.
+    sched.add(make_state("beside", range(2000, 2065), arrival_seq=2))
+    assert shape(run(sched))[2:] == [("beside", 0, 65, True)]
+    # Beside three decodes, 61 left: 127 tokens go 61, then 61 (66 would be 5 over), then 5.
+    sched.add(make_state("long", range(3000, 3127), arrival_seq=3))
+    assert shape(run(sched))[3:] == [("long", 0, 61, False)]
+    assert shape(run(sched))[3:] == [("long", 61, 61, False)]
+    assert shape(run(sched))[3:] == [("long", 122, 5, True)]
 
 
 def test_interactive_is_admitted_before_batch_and_fifo_within_a_class() -> None:
