@@ -282,7 +282,9 @@ class PanelLinear(LaidOutLinear):
     into panels of output columns."""
 
     def __init__(self, library: ctypes.CDLL, num_threads: int, prefetch: bool = False) -> None:
-        """prefetch: each thread asks for its next panel while it runs the current one."""
+        """prefetch: the kernel's streaming variant (panel_linear_prefetching): each thread
+        asks for its next panel while it runs the current one, and the rows go in blocks that
+        stay in L2."""
         self.prefetch = prefetch
         self.function = library.panel_linear_prefetching if prefetch else library.panel_linear
         self.function.restype = None
