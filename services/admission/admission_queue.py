@@ -1,14 +1,17 @@
 """Admission control: a bounded priority queue in front of the router.
 
 At most the concurrency limit's requests run toward the router at once (limiter.py: fixed at
-`max_in_flight`, or adaptive between a floor and it), and batch requests may hold at most their
-share of those slots (`batch_max_in_flight / max_in_flight`), so an interactive request
-always finds a slot soon. A freed slot goes to the oldest interactive waiter first, then to
-the oldest batch waiter: batch work yields to interactive work. A request that finds no free
-slot is shed at once (ResourceExhausted with a retry-after) when its class's queue is full or
-when the expected wait plus its expected service time would outlast its deadline
-(shedding.py); a waiter whose slot comes too late to finish in time is not started but ends
-with DeadlineExceeded. A request that finds a free slot takes it: it holds up nobody.
+`max_in_flight`, or adaptive between a floor and it), and while interactive requests are about
+(running, waiting, or granted a slot within the last hold period) batch requests may hold at
+most their share of those slots (`batch_max_in_flight / max_in_flight`), so an interactive
+request always finds a slot soon; with none about, batch work may take every slot rather
+than leave part of the workers' batch empty. A freed slot goes to the oldest interactive
+waiter first, then to the oldest batch waiter: batch work yields to interactive work. A
+request that finds no free slot is shed at once (ResourceExhausted with a retry-after) when
+its class's queue is full or when the expected wait plus its expected service time would
+outlast its deadline (shedding.py); a waiter whose slot comes too late to finish in time is
+not started but ends with DeadlineExceeded. A request that finds a free slot takes it: it
+holds up nobody.
 
 The expected wait counts the slots that free up (the limit's worth per average hold) and who
 takes them: an interactive request waits for the interactive ones ahead of it; a batch
@@ -73,6 +76,8 @@ class Ticket:
     whole answer or a missed deadline; a cancel says nothing): the limit learns from it."""
     output_tokens: int = 0
     """Tokens the request produced, set with `measured`."""
+    requested_tokens: int = 0
+    """Tokens the request asked for (its max_tokens), set with `measured`."""
     missed_deadline: bool = False
     """Set with `measured`: the request ran into its deadline."""
     expected_in_time: bool = False
@@ -127,9 +132,10 @@ class AdmissionQueue:
         return len(self._waiting[priority])
 
     def slots(self, priority: PriorityClass) -> int:
-        """Slots a request of `priority` may have now: batch its share of the limit."""
+        """Slots a request of `priority` may have now: batch its share of the limit while
+        interactive requests are about, else the whole limit."""
         limit = min(self.limiter.limit, self.limits.max_in_flight)
-        if priority is PriorityClass.INTERACTIVE:
+        if priority is PriorityClass.INTERACTIVE or not self._interactive_about():
             return limit
         share = self.limits.batch_max_in_flight / self.limits.max_in_flight
         return max(1, math.floor(limit * share))
@@ -205,7 +211,11 @@ class AdmissionQueue:
                 self.calibration.observe(held, ticket.expected_s)
                 metrics.SERVICE_CALIBRATION.set(self.calibration.factor)
             late = ticket.missed_deadline and ticket.expected_in_time
-            self.limiter.observe(held / max(ticket.output_tokens, 1), in_flight, late)
+            self.limiter.observe(
+                held / max(ticket.output_tokens, 1),
+                in_flight,
+                late and _late_unqueued(ticket, held),
+            )
         metrics.CONCURRENCY_LIMIT.set(self.limiter.limit)
         self._dispatch()
 
@@ -229,6 +239,15 @@ class AdmissionQueue:
             self._interactive_grants.append(self._clock())
             self._forget_old_interactive_grants()
         metrics.REQUESTS_RUNNING.labels(priority.name.lower()).set(self._running[priority])
+
+    def _interactive_about(self) -> bool:
+        """Interactive requests run, wait, or got a slot within the last hold period: the
+        share of the slots kept from batch work is theirs to find."""
+        return (
+            self._running[PriorityClass.INTERACTIVE] > 0
+            or bool(self._waiting[PriorityClass.INTERACTIVE])
+            or self._recent_interactive_grants() > 0
+        )
 
     def _recent_interactive_grants(self) -> int:
         """Slots interactive requests took during the last hold period (all of them while
@@ -304,6 +323,19 @@ class AdmissionQueue:
 def _fits(now: float, deadline: float | None, service_s: float | None) -> bool:
     """Started now, a request of `service_s` is expected to finish before `deadline`."""
     return deadline is not None and service_s is not None and now + service_s <= deadline
+
+
+def _late_unqueued(ticket: Ticket, held_s: float) -> bool:
+    """Whether a request that ran into its deadline would have missed it even without its
+    wait in the queue: at the pace it produced tokens while it held its slot, all it asked
+    for takes longer than its whole time, wait included (no token at all: it would). Only
+    then is the workers' batch too slow for the deadline; a request late for having waited
+    says the queue was too long, which shedding answers, not a smaller batch (whose lower
+    throughput would make every wait longer)."""
+    if ticket.output_tokens == 0:
+        return True
+    service_s = held_s * max(ticket.requested_tokens, ticket.output_tokens) / ticket.output_tokens
+    return service_s >= ticket.queued_s + held_s
 
 
 def _too_late(waiter: _Waiter, now: float) -> bool:

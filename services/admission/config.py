@@ -66,14 +66,17 @@ class AdmissionConfig(ServerConfig):
     worker's 64 in kvmesh up's default stack): the adaptive limit starts there, and latency
     that grows with the batch never takes it lower (a part-empty batch serves less)."""
     min_in_flight: int = 4
-    """The adaptive limit's floor, reached only when requests miss the deadlines their
-    admission expected them to meet (the batch is then too large for the deadlines)."""
+    """The adaptive limit's floor, reached only while more than a tenth of the requests miss
+    the deadlines their admission expected them to meet (the batch is then too large for the
+    deadlines); without such misses the limit returns to --workers-batch."""
     max_in_flight: int = 256
     """Most requests admitted toward the router at once (the adaptive limit's ceiling; the
     limit itself with --no-adaptive-admission)."""
     batch_max_in_flight: int = 192
     """Batch requests' share of the slots, as a count of --max-in-flight's (the adaptive
-    limit gives batch the same fraction), so interactive ones always find a slot."""
+    limit gives batch the same fraction), so interactive ones always find a slot; kept only
+    while interactive requests are about (running, waiting, or started within the last hold
+    period): with none, batch work may take every slot."""
     interactive_queue: int = 256
     """Interactive requests that may wait for a slot; more are shed."""
     batch_queue: int = 1024

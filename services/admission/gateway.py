@@ -342,6 +342,7 @@ class Gateway:
             reason = transcript.finished.finish_reason if transcript.finished else None
             ticket.measured = reason in _MEASURED
             ticket.output_tokens = len(transcript.token_ids)
+            ticket.requested_tokens = job.sampling.max_tokens
             ticket.missed_deadline = reason == common_pb2.FINISH_REASON_DEADLINE
             if ticket.output_tokens:
                 ticket.expected_s = _service_s(job, ticket.output_tokens)

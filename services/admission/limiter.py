@@ -25,7 +25,16 @@ finish in time (its expected wait and service fitted): then the batch is larger 
 deadlines allow (on a compute-bound worker each request's steps slow down as the batch
 grows), and the limit shrinks by the share of the window that ran late, down to
 `min_limit`. A missed deadline the admission did not promise (a request started on a free
-slot though it could not finish) is no such sign.
+slot though it could not finish) is no such sign, nor is one the request would have met
+had it not waited in the queue (its pace while it ran, kept up to its max_tokens, fitted
+its whole time: the queue was too long, which shedding answers; admission_queue.py), nor
+are the few promised ones that the estimate leaves out by design (it covers a quantile
+of recent requests, calibration.py): a window shrinks the limit only when more than
+`late_tolerance` of it ran late. Since latency is no reason to be below the batch, a
+window below it whose lateness is within that tolerance grows the limit back toward the
+batch whatever its latency; else one late burst (a whole cohort admitted together and
+ending together) would leave the batch part-empty for good, its lower throughput making
+the waits it set out to shorten longer.
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ class ConcurrencyLimit(Protocol):
     def observe(self, latency_s: float, in_flight: int, late: bool = False) -> None:
         """One finished request: its latency per output token since admission, how many
         were in flight when it ended, and whether it missed the deadline its admission
-        expected it to meet."""
+        expected it to meet, and would have without its wait in the queue."""
         ...
 
 
@@ -84,6 +93,10 @@ class GradientSettings:
     """The baseline is the lowest of the last this many windows closed with the limit at or
     below the batch (or lower than it), so a lighter time long past, a model change or a
     quieter machine is forgotten."""
+    late_tolerance: float = 0.1
+    """Share of a window's requests that may miss the deadline their admission expected them
+    to meet without shrinking the limit: the expected service covers the 90th percentile of
+    recent requests (calibration.py), so about a tenth run over it by design."""
     max_decrease: float = 0.5
     """The most one window may take off: the limit at most halves at once."""
     smoothing: float = 0.5
@@ -96,6 +109,8 @@ class GradientSettings:
             raise ValueError("tolerance must be at least 1")
         if self.window < 1 or self.baseline_windows < 1:
             raise ValueError("window and baseline_windows must be at least 1")
+        if not 0 <= self.late_tolerance < 1:
+            raise ValueError("late_tolerance must be in [0, 1)")
         if not 0 < self.max_decrease <= 1:
             raise ValueError("max_decrease must be in (0, 1]")
         if not 0 < self.smoothing <= 1:
@@ -154,8 +169,11 @@ class GradientLimit:
         `late_share` of the requests missed the deadline they were expected to meet."""
         s = self.settings
         limit = self.estimate
-        if late_share > 0:
+        if late_share > s.late_tolerance:
             target = limit * max(s.max_decrease, 1 - late_share)
+        elif limit < s.batch:
+            # Below the batch only lateness holds the limit: with none to speak of it returns.
+            target = min(limit + math.sqrt(limit), float(s.batch))
         elif ratio > s.tolerance:
             # What batching costs is no reason to leave the batch part-empty.
             floor = min(limit, float(s.batch))

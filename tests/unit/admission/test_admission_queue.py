@@ -63,7 +63,8 @@ async def test_a_freed_slot_goes_to_interactive_before_older_batch() -> None:
 
 
 async def test_batch_share_keeps_slots_for_interactive() -> None:
-    q = queue(max_in_flight=3, batch_max=2)
+    q = queue(max_in_flight=4, batch_max=2)
+    await q.admit(INTERACTIVE)  # interactive work about: batch keeps to its 2 of 4
     await q.admit(BATCH)
     await q.admit(BATCH)
     third_batch = asyncio.create_task(q.admit(BATCH))
@@ -72,6 +73,26 @@ async def test_batch_share_keeps_slots_for_interactive() -> None:
     interactive = await asyncio.wait_for(q.admit(INTERACTIVE), 1.0)
     assert interactive.queued_s == 0
     third_batch.cancel()
+
+
+async def test_with_no_interactive_request_about_batch_takes_every_slot() -> None:
+    clock = ManualClock()
+    q = aware_queue(FixedLimit(4), clock, batch_max=2)  # batch's share: 2 of 4
+    assert q.slots(BATCH) == 4
+    batch = [await q.admit(BATCH) for _ in range(4)]
+    interactive = asyncio.create_task(q.admit(INTERACTIVE))
+    fifth_batch = asyncio.create_task(q.admit(BATCH))
+    await settle()
+    assert not interactive.done()  # every slot taken: it is first in line
+    assert q.slots(BATCH) == 2  # and from now batch keeps to its share
+    clock.now += 1.0
+    q.release(batch.pop())
+    assert (await asyncio.wait_for(interactive, 1.0)).queued_s == pytest.approx(1.0)
+    q.release(batch.pop())
+    await settle()
+    assert not fifth_batch.done()  # a free slot, but batch holds its share (2) already
+    assert q.running(BATCH) == 2 and q.running(INTERACTIVE) == 1
+    fifth_batch.cancel()
 
 
 async def test_a_full_class_queue_sheds_with_retry_after() -> None:
@@ -253,6 +274,8 @@ async def test_slots_follow_the_adaptive_limit_and_batch_keeps_its_share() -> No
     limit = StepLimit(8)
     q = aware_queue(limit, clock, batch_max=3)  # batch: 3/4 of the limit, never above it
     assert q.slots(INTERACTIVE) == 4  # --max-in-flight caps the limit
+    assert q.slots(BATCH) == 4  # no interactive request about: the whole limit
+    q.release(await q.admit(INTERACTIVE))  # one got a slot within the last hold period (0 s)
     assert q.slots(BATCH) == 3
     limit.value = 2
     assert q.slots(INTERACTIVE) == 2 and q.slots(BATCH) == 1
@@ -306,6 +329,37 @@ async def test_late_means_a_deadline_missed_that_the_admission_expected_to_meet(
         q.release(ticket)
     assert (await asyncio.wait_for(queued, 1.0)).expected_in_time
     assert limit.seen == [(pytest.approx(1.0), 2, True), (pytest.approx(1.0), 2, False)]
+
+
+async def test_a_request_late_for_its_wait_in_the_queue_is_no_sign_the_batch_is_too_slow() -> None:
+    clock = ManualClock()
+    limit = StepLimit(1)
+    q = aware_queue(limit, clock)
+    holder = await q.admit(INTERACTIVE)
+    # 10 s to its deadline and 4 s of service expected: it waits 5 s, then still fits.
+    queued = asyncio.create_task(q.admit(INTERACTIVE, deadline=clock.now + 10.0, service_s=4.0))
+    await settle()
+    clock.now += 5.0
+    q.release(holder)  # not measured
+    waited = await asyncio.wait_for(queued, 1.0)
+    assert waited.expected_in_time and waited.queued_s == pytest.approx(5.0)
+    # Cut at its deadline with 30 of its 32 tokens: 5.33 s of service at that pace, which
+    # its 10 s would have held without the wait.
+    clock.now += 5.0
+    waited.measured, waited.missed_deadline = True, True
+    waited.output_tokens, waited.requested_tokens = 30, 32
+    q.release(waited)
+    # On a free slot, cut at its deadline with 8 of 32: 40 s at that pace, late regardless.
+    slow = await q.admit(INTERACTIVE, deadline=clock.now + 10.0, service_s=4.0)
+    clock.now += 10.0
+    slow.measured, slow.missed_deadline, slow.output_tokens, slow.requested_tokens = (
+        True,
+        True,
+        8,
+        32,
+    )
+    q.release(slow)
+    assert limit.seen == [(pytest.approx(5.0 / 30), 1, False), (pytest.approx(10.0 / 8), 1, True)]
 
 
 async def test_expected_service_is_scaled_by_what_finished_requests_took() -> None:

@@ -26,6 +26,13 @@ async def ticks(count: int) -> None:
         await asyncio.sleep(0)
 
 
+async def take_slot(queue: AdmissionQueue, holdings: Holdings, cancelled: asyncio.Event) -> object:
+    """A request's wait for its queue slot; its coroutines are made only once its task runs
+    (a task cancelled before its first step would leave them never awaited)."""
+    take = holdings.take(queue.admit(INTERACTIVE), queue.release, interruptible=True)
+    return await run_unless_cancelled(take, cancelled)
+
+
 @pytest.mark.parametrize("by_event", [False, True])
 async def test_a_queue_slot_granted_around_a_cancel_is_given_back(by_event: bool) -> None:
     """The slot frees up `before` loop turns after the waiter starts and the waiter is
@@ -37,8 +44,7 @@ async def test_a_queue_slot_granted_around_a_cancel_is_given_back(by_event: bool
             holder = await queue.admit(INTERACTIVE)
             holdings = Holdings(spawn)
             cancelled = asyncio.Event()
-            take = holdings.take(queue.admit(INTERACTIVE), queue.release, interruptible=True)
-            waiter = asyncio.ensure_future(run_unless_cancelled(take, cancelled))
+            waiter = asyncio.ensure_future(take_slot(queue, holdings, cancelled))
             await ticks(before)
             queue.release(holder)
             await ticks(after)

@@ -70,11 +70,33 @@ def test_requests_late_for_their_expected_deadline_shrink_it_below_the_batch() -
     limit.estimate = 32.0
     assert window(limit, 0.1, late=1) == 24  # a quarter of the window late: 32 * 0.75
     assert window(limit, 0.1, late=4) == 12  # all of it: halved at most
-    assert window(limit, 0.3, late=0) == 12  # slow, but below the batch latency takes nothing
-    assert window(limit, 0.1, late=0) == 15  # 12 + sqrt(12): growing back
     for _ in range(10):
         window(limit, 0.1, late=4)
     assert limit.limit == 4  # min_limit
+
+
+def test_below_the_batch_a_window_without_lateness_grows_the_limit_back_whatever_its_latency() -> (
+    None
+):
+    limit = limiter(batch=32, min_limit=4)
+    window(limit, 0.1)  # the baseline
+    limit.estimate = 12.0
+    assert window(limit, 0.3, late=0) == 15  # 3x the baseline, yet 12 + sqrt(12)
+    assert window(limit, 0.3, late=0) == 19  # 15.46 + sqrt(15.46)
+    assert window(limit, 0.3, late=0, in_flight=2) == 23  # idle or not: back toward the batch
+    assert window(limit, 0.3, late=0) == 28
+    assert window(limit, 0.3, late=0) == 32  # capped at the batch ...
+    assert window(limit, 0.3, late=0) == 32  # ... where latency alone holds it
+
+
+def test_lateness_within_the_estimates_tolerance_does_not_shrink_the_limit() -> None:
+    # The service estimate covers 90% of recent requests: a tenth may run over it.
+    limit = limiter(batch=40, window=20, late_tolerance=0.1)
+    window(limit, 0.1)  # the baseline: 40 -> 46.32
+    limit.estimate = 40.0
+    assert window(limit, 0.1, late=2) == 46  # 2 of 20 late: grows as if none were
+    limit.estimate = 40.0
+    assert window(limit, 0.1, late=3) == 34  # 3 of 20: shrinks by that share, 40 * 0.85
 
 
 def test_a_lightly_loaded_gateway_does_not_grow_its_limit_but_still_shrinks_it() -> None:
