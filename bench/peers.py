@@ -427,6 +427,9 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         "small_batch_max_rows": getattr(project, "float_max_rows", 0),
         "large_batch_product": type(getattr(project, "large", None)).__name__,
         "panel_prefetch": getattr(getattr(project, "large", None), "prefetch", False),
+        # Steps of this many rows or more run some projections on oneDNN ("auto" measured
+        # it faster there when the engine was built: linear_crossover.py); None: none.
+        "onednn_from_rows": runners[LARGE_BATCH_MODES[0]].onednn_from_rows,
         "step_flops": flops,
         "weight_bytes": weight_bytes(loaded),
         "copy_bytes_per_s": copy_bandwidth(),
@@ -1111,6 +1114,9 @@ def step_lines(report: Report) -> list[str]:
     kernel_rows = steps["small_batch_max_rows"]
     larger = [name for name in default if steps["step_rows"][name] > kernel_rows]
     product = LARGE_PRODUCTS[steps["large_batch_product"]]
+    crossover = steps.get("onednn_from_rows")
+    if crossover is not None:
+        product += f" (oneDNN from {crossover} rows, where it measured faster at start-up)"
     lines.append(
         f"- steps of more than {kernel_rows} row{'' if kernel_rows == 1 else 's'} (the "
         "small-batch kernel's float32 limit on this CPU), "

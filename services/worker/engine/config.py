@@ -99,8 +99,9 @@ class EngineConfig:
     "onednn" (oneDNN's matmul on weights reordered once into its layout; any of these keeps
     a second copy of the weights in memory), "torch" (torch's transposed product up to 128
     rows, its plain product beyond), or "auto" (the panel kernel where the kernels are built
-    for AVX-512 or AVX2, prefetching on Intel CPUs, where it was measured faster; else
-    oneDNN where torch has it)."""
+    for AVX-512 or AVX2, prefetching on Intel CPUs, where it was measured faster, and oneDNN
+    from the rows at which the engine measures it faster when it is built (that many and
+    more: layer by layer, linear_crossover.py); else oneDNN where torch has it)."""
 
     keep_freed_memory: bool = True
     """On the CPU, have the C allocator keep the memory a step frees for the next step instead

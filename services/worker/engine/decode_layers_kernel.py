@@ -110,7 +110,9 @@ class DecodeLayers:
         config = model.config
         layers = model.decoder_layers()
         panels = linear.large if isinstance(linear.large, PanelLinear) else None
-        if panels is not None and any(_int8(m) for layer in layers for m in _projections_of(layer)):
+        if panels is not None and any(
+            _int8(m) for layer in layers for m in layer_projections(layer)
+        ):
             panels = None  # the larger path runs int8 projections on torch: layer by layer
         self.max_rows = FUSED_MAX_ROWS if panels is not None else linear.max_rows
         """The most rows of a decode-only step it runs."""
@@ -148,7 +150,7 @@ class DecodeLayers:
             entry.input_norm = layer.input_norm.weight.data_ptr()
             entry.post_attention_norm = layer.post_attention_norm.weight.data_ptr()
             entry.qkv, entry.o, entry.gate_up, entry.down = (
-                _projection(m, panels) for m in _projections_of(layer)
+                _projection(m, panels) for m in layer_projections(layer)
             )
             entry.key_cache = cache.key_blocks.data_ptr()
             entry.value_cache = cache.value_blocks.data_ptr()
@@ -201,8 +203,8 @@ class DecodeLayers:
         return hidden
 
 
-def _projections_of(layer: LlamaLayer) -> tuple[torch.nn.Module, ...]:
-    """A layer's projections in the order decode_layers.c's Layer holds them."""
+def layer_projections(layer: LlamaLayer) -> tuple[torch.nn.Module, ...]:
+    """A layer's projections, in the order decode_layers.c's Layer holds them."""
     return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
 
 

@@ -11,7 +11,8 @@ oneDNN, they run as oneDNN's matmul on weights reordered once into its blocked l
 AVX-512 CPU, runs oneDNN's AVX-512 code where torch's MKL product keeps to AVX2 on AMD (AMD
 EPYC Zen 5, 2 cores, side by side: 512-token prefill steps 0.45x the time, 32-row decode
 steps 0.78x, 64-row 0.52x). Where the kernels are built for AVX-512 they run on the panel
-kernel instead (PanelLinear, kernels/panel_linear.c), faster again there. Without either,
+kernel instead (PanelLinear, kernels/panel_linear.c), faster again there, except the row
+counts from which oneDNN measures faster on the machine (linear_crossover.py). Without either,
 steps of up to TRANSPOSED_MAX_ROWS rows use torch's transposed product, larger ones its plain
 product.
 """
@@ -29,6 +30,7 @@ from torch import nn
 
 from services.worker.engine.huge_pages import huge_page_bytes
 from services.worker.engine.kernel_build import choose_kernel, cpu_vendor, load_library
+from services.worker.engine.linear_crossover import Crossover
 from services.worker.engine.models.llama import RMSNorm, project_with_torch, projection_input
 from services.worker.engine.quant import Int8Linear
 
@@ -86,11 +88,15 @@ class SmallBatchLinear:
         num_threads: int,
         max_rows: int | None = None,
         large: LaidOutLinear | None = None,
+        crossover: Crossover | None = None,
     ) -> None:
         """max_rows: the most rows it computes (by default MAX_ROWS_BY_LANES for the
         kernel's vector width); large: runs the float32 projections of more rows when given
-        (instead of torch's products): oneDNN's (PackedLinear) or the panel kernel's."""
+        (instead of torch's products): oneDNN's (PackedLinear) or the panel kernel's;
+        crossover: where given (with large the panel kernel), oneDNN runs the projections
+        of as many rows as it measured faster from (linear_crossover.py)."""
         self.large = large
+        self.crossover = crossover
         self.function = library.small_batch_linear
         self.function.restype = ctypes.c_int
         self.function.argtypes = [
@@ -138,7 +144,7 @@ class SmallBatchLinear:
             if scales is None:
                 if self.large is not None:
                     x = self.projection_input(x, norm, gated)
-                    return self.large(weight, x, residual, bias)
+                    return self._large_product(weight, x.shape[0])(weight, x, residual, bias)
                 if x.shape[0] <= TRANSPOSED_MAX_ROWS:
                     x = projection_input(x, norm, gated)
                     return transposed_product(weight, x, residual, bias)
@@ -175,6 +181,13 @@ class SmallBatchLinear:
         if status != 0:
             raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
         return y
+
+    def _large_product(self, weight: torch.Tensor, rows: int) -> LaidOutLinear:
+        """What runs `rows` rows of `weight` past the kernel's own (large is given)."""
+        assert self.large is not None
+        if self.crossover is None:
+            return self.large
+        return self.crossover.product(weight, rows)
 
     def projection_input(self, x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
         """f(x) of a Project in one pass of the kernel's library (torch's RMSNorm is six
@@ -232,6 +245,10 @@ class LaidOutLinear(ABC):
     @property
     def num_copies(self) -> int:
         return len(self._copies)
+
+    def discard(self, weight: torch.Tensor) -> None:
+        """Drops the copy of `weight`, if any (a later use makes it again)."""
+        self._copies.pop(id(weight), None)
 
     def laid_out(self, weight: torch.Tensor) -> torch.Tensor:
         key = id(weight)
@@ -406,14 +423,20 @@ def load_linear_kernel(num_threads: int, large_mode: str = "torch") -> SmallBatc
     steps on large_product(large_mode)."""
     library = load_library("small_batch_linear")
     large = large_product(large_mode, kernel_lanes(library), num_threads)
-    return SmallBatchLinear(library, num_threads, large=large)
+    # "auto" measures where oneDNN overtakes the panel kernel; a mode named runs as named.
+    measured = large_mode == "auto" and onednn_available()
+    crossover = (
+        Crossover(large, PackedLinear()) if measured and isinstance(large, PanelLinear) else None
+    )
+    return SmallBatchLinear(library, num_threads, large=large, crossover=crossover)
 
 
 def large_product(mode: str, lanes: int, num_threads: int) -> LaidOutLinear | None:
     """The product of the larger steps for EngineConfig.large_batch_linear: "panels" the panel
     kernel ("panels-prefetch" prefetching), "onednn" PackedLinear, "torch" None (torch's
     products); "auto" the panel kernel where the kernels' vectors are PANELS_BY_DEFAULT_LANES
-    floats wide (prefetching on PREFETCH_BY_DEFAULT_VENDORS), else oneDNN where torch has
+    floats wide (prefetching on PREFETCH_BY_DEFAULT_VENDORS; load_linear_kernel adds oneDNN
+    from the rows it measures faster, linear_crossover.py), else oneDNN where torch has
     it."""
     if mode == "auto":
         panels = "panels-prefetch" if cpu_vendor() in PREFETCH_BY_DEFAULT_VENDORS else "panels"

@@ -29,13 +29,19 @@ from services.worker.engine.decode_layers_kernel import (
     DecodeLayers,
     decode_layers_library,
     expressible,
+    layer_projections,
 )
 from services.worker.engine.huge_pages import huge_page_bytes
 from services.worker.engine.kernel_build import KernelUnavailable
-from services.worker.engine.linear_kernel import SmallBatchLinear, place_weights
+from services.worker.engine.linear_kernel import SmallBatchLinear, kernel_weights, place_weights
 from services.worker.engine.loader import LoadedModel, dtype_name
 from services.worker.engine.models import StepInterrupted
-from services.worker.engine.models.llama import ModelConfig, Project, project_with_torch
+from services.worker.engine.models.llama import (
+    LlamaModel,
+    ModelConfig,
+    Project,
+    project_with_torch,
+)
 from services.worker.engine.prefill_kernel import PrefillKernel
 from services.worker.engine.rope_store_kernel import RopeStoreKernel
 
@@ -97,6 +103,9 @@ class ModelRunner:
         self.project: Project = linear_kernel or project_with_torch
         if linear_kernel is not None:
             place_weights(loaded.model)
+        self.onednn_from_rows = self._measure_crossover(linear_kernel)
+        """Steps of this many rows or more run layer by layer: oneDNN runs some of their
+        projections, which decode_layers.c does not call (None: every step may fuse)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layout = KvLayout(
@@ -117,6 +126,23 @@ class ModelRunner:
             if fuse_small_decodes
             else None
         )
+
+    def _measure_crossover(self, linear: SmallBatchLinear | None) -> int | None:
+        """Where the linear kernel measures oneDNN against the panel kernel, measures this
+        model's layer projections (their float32 weights) and returns the fewest rows any of
+        them runs on oneDNN from."""
+        if linear is None or linear.crossover is None or not isinstance(self.model, LlamaModel):
+            return None
+        layers = [
+            [
+                weights[0]
+                for module in layer_projections(layer)
+                if (weights := kernel_weights(module)) is not None and weights[1] is None
+            ]
+            for layer in self.model.decoder_layers()
+        ]
+        linear.crossover.calibrate(layers)
+        return linear.crossover.least_rows(layers[0]) if layers else None
 
     def _decode_layers(
         self,
@@ -186,10 +212,16 @@ class ModelRunner:
         """decode_layers where it runs the step's layers in one call, else None: a step of up
         to its max_rows decode rows, or, where it runs prefills, one with chunks that all
         attend on the prefill kernel and that nothing interrupts (a chunk's step may take
-        seconds: a batch step stays interruptible between layers)."""
+        seconds: a batch step stays interruptible between layers); never one of as many rows
+        as oneDNN runs projections of."""
         layers = self.decode_layers
         decode = attention.kernel_decode
         if layers is None or attention.decode_groups:
+            return None
+        if (
+            self.onednn_from_rows is not None
+            and attention.slots.shape[0] >= self.onednn_from_rows
+        ):
             return None
         if not attention.prefills:
             fits = decode is not None and decode.rows <= layers.max_rows

@@ -1,0 +1,134 @@
+"""From how many rows oneDNN computes a projection faster than the panel kernel, measured here.
+
+The panel kernel (kernels/panel_linear.c) was faster than oneDNN at decode sizes on every CPU
+it ran on, and at prefill sizes on AMD EPYC (Zen 3: 0.83-0.85x oneDNN's time for a 512-token
+step); on an Intel Xeon with AMX (family 6 model 167, 2 cores) oneDNN took 0.89x the panel
+kernel's time for a 512-token prefill step and 0.93x for 1,024 tokens, 0.97x at 256, and on
+another Intel Xeon (model 207) 0.98x at 1,024. No rule by vendor or vector width fits every
+CPU measured, so "auto" measures: when the engine is built, the projections of the model's
+first layer run on both products at CANDIDATE_ROWS rows, alternated, the best of REPEATS each,
+and oneDNN takes the layers' projections from the smallest candidate at which it ran them
+more than MARGIN faster and at every larger candidate (none: the panel kernel keeps them
+all). A step of that many rows runs layer by layer (the runner's choice), so one count for
+the whole layer: oneDNN for one projection of it would cost the step the fused path and win
+back only that projection's share. Where oneDNN takes some rows, every layer's weights get
+its reordered copy then, not in the first long step: a third copy of them in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # linear_kernel builds the Crossover: no import back at run time
+    from services.worker.engine.linear_kernel import LaidOutLinear
+
+logger = logging.getLogger(__name__)
+
+CANDIDATE_ROWS = (256, 512, 1024)
+"""Row counts measured: below the smallest the panel kernel's steps won on every CPU tried
+(at 128 rows on the model 167 Xeon a step took 0.85x oneDNN's time, though oneDNN ran the
+projections alone 0.90x as long)."""
+REPEATS = 3
+"""Runs of each product at each candidate; the fastest counts (the least disturbed)."""
+MARGIN = 0.10
+"""How much faster oneDNN must run the projections alone to take a row count: its steps run
+layer by layer, which costs more around the projections than the panel kernel's single C
+call (decode_layers.c). Measured on the model 167 Xeon, SmolLM2-135M's first layer's
+projections on oneDNN against whole prefill steps: 0.86x at 256 rows for a 0.97x step,
+0.87x at 512 for 0.89x, 0.83x at 1,024 for 0.93x."""
+
+Shape = tuple[int, int]
+
+
+@dataclass(slots=True)
+class Crossover:
+    """Per projection shape (outs, ins), the rows from which oneDNN runs it (see the module
+    docstring); shapes never measured stay on the panel kernel."""
+
+    panels: LaidOutLinear
+    """The panel kernel (PanelLinear)."""
+    packed: LaidOutLinear
+    """oneDNN on its reordered copies (PackedLinear)."""
+    from_rows: dict[Shape, int | None] = field(default_factory=dict)
+    """The measured shapes: the fewest rows oneDNN takes, or None where it takes none."""
+
+    def product(self, weight: torch.Tensor, rows: int) -> LaidOutLinear:
+        """The product that runs `rows` rows of `weight`."""
+        start = self.from_rows.get(_shape(weight))
+        return self.packed if start is not None and rows >= start else self.panels
+
+    def least_rows(self, weights: Sequence[torch.Tensor]) -> int | None:
+        """The fewest rows from which any of `weights` runs on oneDNN (None: none does)."""
+        starts = [self.from_rows.get(_shape(weight)) for weight in weights]
+        return min((rows for rows in starts if rows is not None), default=None)
+
+    def calibrate(self, layers: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Measures the first layer's weights unless their shapes were measured already (the
+        same model, or one of its shapes, in this process), then gives every weight of a
+        shape oneDNN takes its reordered copy."""
+        if not layers:
+            return
+        first = layers[0]
+        if any(_shape(weight) not in self.from_rows for weight in first):
+            with torch.no_grad():
+                start = self._measure(first)
+            for weight in first:
+                self.from_rows[_shape(weight)] = start
+                if start is None:
+                    self.packed.discard(weight)  # its copy was made to be measured only
+            logger.info(
+                "the layers' projections run on %s",
+                "the panel kernel at every row count"
+                if start is None
+                else f"oneDNN from {start} rows, the panel kernel below",
+            )
+        for layer in layers:
+            for weight in layer:
+                if self.from_rows.get(_shape(weight)) is not None:
+                    self.packed.laid_out(weight)
+
+    def _measure(self, weights: Sequence[torch.Tensor]) -> int | None:
+        products = (self.panels, self.packed)
+        panel_s, packed_s = [], []
+        for rows in CANDIDATE_ROWS:
+            inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
+            for product in products:
+                _seconds(product, weights, inputs)  # its copies made, and warm, untimed
+            runs = [[_seconds(p, weights, inputs) for p in products] for _ in range(REPEATS)]
+            panel_s.append(min(run[0] for run in runs))
+            packed_s.append(min(run[1] for run in runs))
+        return first_faster_rows(CANDIDATE_ROWS, panel_s, packed_s, MARGIN)
+
+
+def first_faster_rows(
+    rows: Sequence[int], panel_s: Sequence[float], packed_s: Sequence[float], margin: float
+) -> int | None:
+    """The smallest of the ascending `rows` from which `packed_s` is under (1 - margin) of
+    `panel_s` at it and at every larger one (None: not at the largest)."""
+    start = None
+    for count, panel, packed in reversed(list(zip(rows, panel_s, packed_s, strict=True))):
+        if packed >= (1 - margin) * panel:
+            break
+        start = count
+    return start
+
+
+def _seconds(
+    product: LaidOutLinear, weights: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> float:
+    """Time `product` takes for every weight's product with its input, one after the other."""
+    started = time.perf_counter()
+    for weight, x in zip(weights, inputs, strict=True):
+        product(weight, x, None)
+    return time.perf_counter() - started
+
+
+def _shape(weight: torch.Tensor) -> Shape:
+    outs, ins = weight.shape
+    return outs, ins

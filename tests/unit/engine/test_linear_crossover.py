@@ -1,0 +1,155 @@
+"""Where oneDNN takes a projection's larger steps from the panel kernel: the rule on given
+timings, the routing by shape and rows, the measurement's bookkeeping, and a runner whose
+larger steps run layer by layer on both products matching the panel kernel alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from services.worker.engine.decode_kernel import choose_decode_kernel
+from services.worker.engine.decode_layers_kernel import layer_projections
+from services.worker.engine.kernel_build import load_library
+from services.worker.engine.linear_crossover import Crossover, first_faster_rows
+from services.worker.engine.linear_kernel import (
+    PackedLinear,
+    PanelLinear,
+    SmallBatchLinear,
+    kernel_weights,
+    onednn_available,
+)
+from services.worker.engine.loader import LoadedModel, load_model
+from services.worker.engine.model_runner import BatchEntry, ModelRunner
+from services.worker.engine.prefill_kernel import choose_prefill_kernel
+from services.worker.engine.rope_store_kernel import choose_rope_store_kernel
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch without oneDNN")
+
+ROWS = (128, 256, 512, 1024)
+
+
+def test_onednn_takes_the_rows_from_which_it_is_faster_at_every_larger_count() -> None:
+    panel = [1.0, 2.0, 4.0, 8.0]
+    assert first_faster_rows(ROWS, panel, [1.1, 2.1, 3.8, 7.0], 0.03) == 512
+    assert first_faster_rows(ROWS, panel, [0.9, 2.1, 3.8, 7.0], 0.03) == 512  # not 128: 256 lost
+    assert first_faster_rows(ROWS, panel, [0.9, 1.9, 3.8, 7.0], 0.03) == 128
+    assert first_faster_rows(ROWS, panel, [0.9, 1.9, 3.8, 8.5], 0.03) is None  # lost at 1,024
+    assert first_faster_rows(ROWS, panel, [1.0, 2.0, 3.9, 7.9], 0.03) is None  # within margin
+
+
+def crossover() -> Crossover:
+    return Crossover(PanelLinear(load_library("panel_linear"), 2), PackedLinear())
+
+
+def test_each_shape_runs_on_the_product_its_measured_rows_name() -> None:
+    chooser = crossover()
+    generator = torch.Generator().manual_seed(3)
+    wide = torch.randn(48, 32, generator=generator)
+    narrow = torch.randn(16, 32, generator=generator)
+    unmeasured = torch.randn(40, 32, generator=generator)
+    chooser.from_rows = {(48, 32): 8, (16, 32): None}
+    assert chooser.product(wide, 7) is chooser.panels
+    assert chooser.product(wide, 8) is chooser.packed
+    assert chooser.product(narrow, 4096) is chooser.panels  # oneDNN took no count of it
+    assert chooser.product(unmeasured, 4096) is chooser.panels
+    assert chooser.least_rows([wide, narrow]) == 8 and chooser.least_rows([narrow]) is None
+
+
+def test_a_projection_past_the_crossover_matches_the_panel_kernels() -> None:
+    chooser = crossover()
+    project = SmallBatchLinear(
+        load_library("small_batch_linear"), 2, large=chooser.panels, crossover=chooser
+    )
+    generator = torch.Generator().manual_seed(4)
+    module = nn.Linear(32, 48, bias=False)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(48, 32, generator=generator))
+    chooser.from_rows = {(48, 32): 8}
+    for rows in (4, 8, 20):
+        x = torch.randn(rows, 32, generator=generator)
+        with torch.inference_mode():
+            expected = chooser.panels(module.weight, x, None)
+            torch.testing.assert_close(project(module, x), expected, atol=1e-5, rtol=1e-5)
+    assert chooser.packed.num_copies == 1  # made at the first product of 8 rows
+
+
+def test_calibration_measures_the_first_layer_once_and_lays_out_what_onednn_takes(
+    tiny_llama_dir: Path,
+) -> None:
+    model = load_model(str(tiny_llama_dir)).model
+    layers = [
+        [kernel_weights(m)[0] for m in layer_projections(layer)]  # type: ignore[index]
+        for layer in model.decoder_layers()
+    ]
+    chooser = crossover()
+    chooser.calibrate(layers)
+    shapes = {tuple(w.shape) for w in layers[0]}
+    assert set(chooser.from_rows) == shapes
+    taken = [w for layer in layers for w in layer if chooser.from_rows[tuple(w.shape)] is not None]
+    assert chooser.packed.num_copies == len(taken)  # every layer's, and only those
+    measured = dict(chooser.from_rows)
+    chooser.calibrate(layers)
+    assert chooser.from_rows == measured  # measured once
+
+
+class CountedPacked(PackedLinear):
+    """oneDNN's product, counting the rows it computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = 0
+
+    def __call__(
+        self,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        self.rows += x.shape[0]
+        return super().__call__(weight, x, residual, bias)
+
+
+def runner(loaded: LoadedModel, from_rows: int | None) -> tuple[ModelRunner, CountedPacked]:
+    """A runner on every kernel whose projections run on oneDNN from `from_rows` rows
+    (None: the panel kernel at every count), set before its measurement would run."""
+    packed = CountedPacked()
+    chooser = Crossover(PanelLinear(load_library("panel_linear"), 2), packed)
+    shapes = {
+        tuple(kernel_weights(m)[0].shape)  # type: ignore[index]
+        for m in layer_projections(loaded.model.decoder_layers()[0])
+    }
+    chooser.from_rows = dict.fromkeys(shapes, from_rows)
+    linear = SmallBatchLinear(
+        load_library("small_batch_linear"), 2, large=chooser.panels, crossover=chooser
+    )
+    cpu, f32 = torch.device("cpu"), torch.float32
+    built = ModelRunner(
+        loaded,
+        64,
+        decode_kernel=choose_decode_kernel("auto", cpu, f32, 2),
+        prefill_kernel=choose_prefill_kernel("auto", cpu, f32, 2),
+        rope_store_kernel=choose_rope_store_kernel("auto", cpu, f32, 2),
+        linear_kernel=linear,
+    )
+    return built, packed
+
+
+def test_steps_past_the_crossover_run_layer_by_layer_and_agree_with_the_panel_kernel(
+    tiny_llama_dir: Path,
+) -> None:
+    loaded = load_model(str(tiny_llama_dir))
+    (split, on_onednn), (panels, _) = runner(loaded, 12), runner(loaded, None)
+    assert split.onednn_from_rows == 12 and panels.onednn_from_rows is None
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, loaded.config.vocab_size, (20,), generator=generator).tolist()
+    batch = [BatchEntry(prompt, 0, [0, 1])]  # 20 rows: past the crossover, one chunk
+    decode = [BatchEntry(prompt[:1], 20, [0, 1])]  # 1 row: the small-batch kernel
+    torch.testing.assert_close(split.forward(batch), panels.forward(batch), atol=1e-4, rtol=1e-4)
+    layers = len(loaded.model.decoder_layers())
+    assert on_onednn.rows == 20 * 4 * layers  # every projection of every layer, then no more:
+    torch.testing.assert_close(split.forward(decode), panels.forward(decode), atol=1e-4, rtol=1e-4)
+    assert on_onednn.rows == 20 * 4 * layers
