@@ -53,6 +53,8 @@
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t lane_index __attribute__((vector_size(LANES * sizeof(int32_t))));
 
+#include "vector_ops.h"
+
 static inline vec load(const float *p) {
     vec v;
     memcpy(&v, p, sizeof v); /* unaligned load */
@@ -108,11 +110,7 @@ static void softmax_in_place(float *restrict scores, int64_t n) {
     int64_t t = 0;
     if (n >= LANES) {
         vec top = load(scores);
-        for (t = LANES; t + LANES <= n; t += LANES) {
-            const vec v = load(scores + t);
-            const lane_index greater = v > top; /* all ones where v is greater */
-            top = (vec)(((lane_index)v & greater) | ((lane_index)top & ~greater));
-        }
+        for (t = LANES; t + LANES <= n; t += LANES) top = greater_of(load(scores + t), top);
         for (int lane = 0; lane < LANES; lane++) max = top[lane] > max ? top[lane] : max;
     }
     for (; t < n; t++) max = scores[t] > max ? scores[t] : max;

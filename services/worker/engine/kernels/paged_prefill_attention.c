@@ -82,11 +82,7 @@ static const lane_index LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 static const lane_index LANE = {0, 1, 2, 3, 4, 5, 6, 7};
 #endif
 
-/* Lane by lane, the greater of a and b. */
-static inline vec greater_of(vec a, vec b) {
-    const lane_index a_greater = a > b; /* all ones where a is greater */
-    return (vec)(((lane_index)a & a_greater) | ((lane_index)b & ~a_greater));
-}
+#include "vector_ops.h"
 
 /* The largest lane of v, by a tree of lane swaps (a maximum is the same in any order). */
 static inline float across_lanes_max(vec v) {
