@@ -218,10 +218,7 @@ class ModelRunner:
         decode = attention.kernel_decode
         if layers is None or attention.decode_groups:
             return None
-        if (
-            self.onednn_from_rows is not None
-            and attention.slots.shape[0] >= self.onednn_from_rows
-        ):
+        if self.onednn_from_rows is not None and attention.slots.shape[0] >= self.onednn_from_rows:
             return None
         if not attention.prefills:
             fits = decode is not None and decode.rows <= layers.max_rows
