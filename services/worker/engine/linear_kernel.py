@@ -144,7 +144,12 @@ class SmallBatchLinear:
             if scales is None:
                 if self.large is not None:
                     x = self.projection_input(x, norm, gated)
-                    return self._large_product(weight, x.shape[0])(weight, x, residual, bias)
+                    large = (
+                        self.large
+                        if self.crossover is None
+                        else self.crossover.product(weight, x.shape[0])
+                    )
+                    return large(weight, x, residual, bias)
                 if x.shape[0] <= TRANSPOSED_MAX_ROWS:
                     x = projection_input(x, norm, gated)
                     return transposed_product(weight, x, residual, bias)
@@ -181,13 +186,6 @@ class SmallBatchLinear:
         if status != 0:
             raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
         return y
-
-    def _large_product(self, weight: torch.Tensor, rows: int) -> LaidOutLinear:
-        """What runs `rows` rows of `weight` past the kernel's own (large is given)."""
-        assert self.large is not None
-        if self.crossover is None:
-            return self.large
-        return self.crossover.product(weight, rows)
 
     def projection_input(self, x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
         """f(x) of a Project in one pass of the kernel's library (torch's RMSNorm is six
