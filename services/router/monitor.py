@@ -49,6 +49,10 @@ class WorkerMonitor:
                 status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
                 self._record(address, None, f"health: {status}")
                 return False
+            if address not in self.registry.addresses():
+                # It left while being checked: asking its stats would reopen the channel that
+                # leaving retired (Peers.retire), to a worker no longer polled or routed to.
+                return False
             stats = await self.peers.worker(address, traced=False).Stats(
                 worker_pb2.StatsRequest(include_block_hashes=True), timeout=self.timeout_s
             )
