@@ -297,6 +297,10 @@ class ModelRunner:
         tables = torch.tensor(
             [e.block_table + [0] * (max_blocks - len(e.block_table)) for e in entries]
         )
+        if tables.min() < 0 or tables.max() >= self.num_blocks:
+            # The kernels write K/V through these ids unchecked: one outside the cache would
+            # write over other memory.
+            raise ValueError(f"block table holds an id outside [0, {self.num_blocks})")
         slots = tables[entry_of_row, positions // bs] * bs + positions % bs
 
         decode_groups, kernel_decode = self._decode_plan(entries[:num_decode], tables)

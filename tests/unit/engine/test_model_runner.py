@@ -181,6 +181,16 @@ def test_forward_rejects_a_block_table_too_short(tiny_loaded: LoadedModel) -> No
         runner.forward([BatchEntry(list(range(17)), 0, [0])])
 
 
+@pytest.mark.parametrize("block_id", [-1, 4])
+def test_forward_rejects_a_block_id_outside_the_cache(
+    tiny_loaded: LoadedModel, block_id: int
+) -> None:
+    runner = ModelRunner(tiny_loaded, num_blocks=4)
+    with pytest.raises(ValueError, match="outside"):
+        runner.forward([BatchEntry(list(range(20)), 0, [0, block_id])])
+    assert not runner.kv_cache.any()
+
+
 def test_decodes_of_very_different_lengths_match_hf(
     tiny_loaded: LoadedModel, tiny_hf: LlamaForCausalLM, kernels: dict[str, Any]
 ) -> None:
