@@ -214,37 +214,39 @@ async def closed_loop(
     }
 
 
+def arrivals(
+    rate: float, seconds: float, mode: str, args: argparse.Namespace
+) -> list[tuple[float, str, Any]]:
+    """Poisson arrivals at `rate` for `seconds`, half interactive, half batch: (time, kind,
+    request) each. Both modes get the same times and kinds at a rate and prompts of their
+    own: the engine's prefix cache would serve a prompt another run sent from the KV that run
+    left (the closed loops' prompts are their own too)."""
+    times = random.Random(f"arrivals-{rate}")
+    prompts = random.Random(f"prompts-{mode}-{rate}")
+    planned: list[tuple[float, str, Any]] = []
+    at = times.expovariate(rate)
+    while at < seconds:
+        kind = "interactive" if times.random() < 0.5 else "batch"
+        planned.append((at, kind, request(prompts, kind, len(planned), args)))
+        at += times.expovariate(rate)
+    return planned
+
+
 async def open_loop(
     gateway: str,
-    rate: float,
-    seconds: float,
-    mode: str,
-    args: argparse.Namespace,
+    planned: list[tuple[float, str, Any]],
     on_done: Callable[[], None],
     zero: float,
 ) -> list[Outcome]:
-    """Poisson arrivals at `rate` for `seconds` from `zero` (a time.perf_counter(); half
-    interactive, half batch), drained. Both modes get the same arrivals at a load and prompts
-    of their own: the engine's prefix cache would serve a prompt another run sent from the KV
-    that run left (the closed loops' prompts are their own too)."""
-    rng = random.Random(f"arrivals-{rate}")
-    prompts = random.Random(f"prompts-{mode}-{rate}")
+    """Sends each planned request at its time from `zero` (a time.perf_counter()), drained."""
     async with gateway_channel(gateway, None) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         tasks: list[asyncio.Task[Outcome]] = []
-        at = 0.0
-        index = 0
-        while True:
-            at += rng.expovariate(rate)
-            if at >= seconds:
-                break
+        for at, kind, message in planned:
             await asyncio.sleep(max(0.0, zero + at - time.perf_counter()))
-            kind = "interactive" if rng.random() < 0.5 else "batch"
-            message = request(prompts, kind, index, args)
             task = asyncio.create_task(send(stub, message, kind, zero))
             task.add_done_callback(lambda _: on_done())
             tasks.append(task)
-            index += 1
         return list(await asyncio.gather(*tasks))
 
 
@@ -512,8 +514,8 @@ async def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                         zero = time.perf_counter()
                         async with sampled(new, worker, zero) as samples:
                             outcomes = await open_loop(
-                                gateways[mode], load * per_s, seconds, mode,
-                                args, functools.partial(progress.advance, task), zero,
+                                gateways[mode], arrivals(load * per_s, seconds, mode, args),
+                                functools.partial(progress.advance, task), zero,
                             )  # fmt: skip
                     progress.remove_task(task)
                     figures = summary(outcomes, seconds, per_s)

@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from bench.overload import Outcome, Samples, markdown, plot, summary, timeline, verdicts
+from bench.overload import (
+    Outcome,
+    Samples,
+    arrivals,
+    markdown,
+    parse_args,
+    plot,
+    summary,
+    timeline,
+    verdicts,
+)
 
 
 def outcomes() -> list[Outcome]:
@@ -131,3 +141,16 @@ def test_the_section_and_the_plot_are_written_from_a_report(tmp_path: Path) -> N
     assert "with deadlines of 300 s (0 of its requests cut by one)" in section
     plot(report, tmp_path / "overload.png")
     assert (tmp_path / "overload.png").stat().st_size > 0
+
+
+def test_both_modes_get_the_same_arrivals_with_prompts_of_their_own() -> None:
+    args = parse_args([])
+    old, new = (arrivals(3.0, 20.0, mode, args) for mode in ("old", "new"))
+    assert [(at, kind) for at, kind, _ in old] == [(at, kind) for at, kind, _ in new]
+    assert 30 < len(old) < 90  # Poisson at 3/s over 20 s
+    assert all(0 < at < 20.0 for at, _, _ in old)
+    prompts = {mode: [m.prompt.text for _, _, m in planned] for mode, planned in
+               (("old", old), ("new", new))}  # fmt: skip
+    # No prompt of one mode's run is sent in the other's (the prefix cache would serve it).
+    assert not set(prompts["old"]) & set(prompts["new"])
+    assert arrivals(3.0, 20.0, "old", args)[0][2] == old[0][2]  # the same plan again
