@@ -129,7 +129,8 @@ def test_the_section_and_the_plot_are_written_from_a_report(tmp_path: Path) -> N
     ]  # fmt: skip
     report = {
         "machine": {"cpu": "test", "cores": 2, "load_average_start": 1.0, "load_average_end": 1.0},
-        "capacity": {"requests_per_s": 1.0, "clients": 64, "seconds": 30, "region": region,
+        "capacity": {"requests_per_s": 1.0, "tokens_per_s": 32.0, "clients": 64, "seconds": 30,
+                     "counted_from_s": 5.0, "region": region,
                      "finishes": {"FINISH_REASON_LENGTH": 30}},
         "workload": {"mode": "colocated", "prompt_words": 48, "output_tokens": 32,
                      "seconds": 2, "goal_seconds": 2},
@@ -138,6 +139,7 @@ def test_the_section_and_the_plot_are_written_from_a_report(tmp_path: Path) -> N
     section = markdown(report, "python -m bench.overload")
     assert "| 3.0x | new | 3.00 | 0.07 | 0.07x | 1.00 | 30.3 |" in section
     assert "| 2 (11) |" in section  # admitted not in time (their tokens)
+    assert "1.00 whole answers/s (32 output tokens/s over the tokens of an answer)" in section
     assert "with deadlines of 300 s (0 of its requests cut by one)" in section
     plot(report, tmp_path / "overload.png")
     assert (tmp_path / "overload.png").stat().st_size > 0
