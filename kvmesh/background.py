@@ -39,6 +39,19 @@ def reap(task: asyncio.Future[T], what: str, ordinary_level: int = logging.INFO)
     task.add_done_callback(retrieve)
 
 
+async def stop_loop(task: asyncio.Task[Any], retry_s: float = 1.0) -> None:
+    """Cancels a background loop and waits until it has ended; an error it ended with (other
+    than the cancel) is raised here. The cancel is sent again every `retry_s` while the task
+    runs on: Python 3.11's asyncio.wait_for can swallow a cancel that lands as the awaitable
+    it wraps completes (dnspython's queries wait that way), and a loop that lost its cancel
+    kept its stopper waiting for good (the router's DNS discovery: a teardown of 120 s)."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=retry_s)
+    if not task.cancelled():
+        task.result()
+
+
 class Background:
     """Fire-and-forget tasks, held until they end (the loop keeps only weak references) and
     reaped (see `reap`)."""

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from kvmesh.background import stop_loop
 from kvmesh.contracts.sampling import AUTO_MODEL
 from kvmesh.contracts.tokenizer import Tokenizer
 from kvmesh.errors import InvalidArgument, KvmeshError, Unavailable
@@ -158,9 +159,7 @@ class ModelCatalog:
     async def close(self) -> None:
         """Stops a refresh still running."""
         if self._refreshing is not None:
-            self._refreshing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refreshing
+            await stop_loop(self._refreshing)
 
     async def _refresh(self) -> None:
         async with self._refresh_lock:

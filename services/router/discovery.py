@@ -24,6 +24,7 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
+from kvmesh.background import stop_loop
 from kvmesh.errors import NotFound
 from services.router.pools import PoolRegistry, Role
 from services.router.tiers import PoolsConfig, TierSpec
@@ -193,6 +194,4 @@ class DnsDiscovery:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_loop(self._task)

@@ -9,7 +9,6 @@ at once, so that a dead worker stops receiving requests before the retry is plac
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2
 
+from kvmesh.background import stop_loop
 from kvmesh.v1 import worker_pb2
 from services.router import metrics
 from services.router.peers import Peers
@@ -110,6 +110,4 @@ class WorkerMonitor:
     async def stop(self) -> None:
         """Stops the loop."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_loop(self._task)

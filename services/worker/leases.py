@@ -11,13 +11,13 @@ blocks nobody pulls or releases go back to the pool.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from kvmesh.background import stop_loop
 from kvmesh.errors import NotFound, PermissionDenied
 
 log = logging.getLogger(__name__)
@@ -164,6 +164,4 @@ class LeaseSweeper:
     async def stop(self) -> None:
         """Stops the loop."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await stop_loop(self._task)

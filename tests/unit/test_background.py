@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvmesh.background import Background
+from kvmesh.background import Background, stop_loop
 from kvmesh.errors import DeadlineExceeded, Unavailable
 from kvmesh.streams import run_unless_cancelled
 
@@ -84,3 +84,33 @@ async def test_work_failing_as_its_caller_is_cancelled_is_retrieved() -> None:
     del caller
     await asyncio.sleep(0)
     assert _collected(unretrieved) == []
+
+
+async def test_a_loop_that_swallows_its_cancel_is_still_stopped() -> None:
+    # As a loop does whose cancel Python 3.11's asyncio.wait_for lost: it runs on.
+    rounds = 0
+
+    async def stubborn() -> None:
+        nonlocal rounds
+        while True:
+            rounds += 1
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if rounds > 2:
+                    raise
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)
+    await asyncio.wait_for(stop_loop(task, retry_s=0.01), timeout=5)
+    assert task.cancelled() and rounds == 3
+
+
+async def test_a_loop_that_failed_reports_its_error_when_stopped() -> None:
+    async def broken() -> None:
+        raise RuntimeError("sweep failed")
+
+    task = asyncio.create_task(broken())
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="sweep failed"):
+        await stop_loop(task)
