@@ -215,13 +215,14 @@ async def closed_loop(
         with timed_region() as region:
             await asyncio.gather(*(client(n) for n in range(clients)))
     progress.remove_task(task)
+    tokens_per_s = counted_tokens / (seconds - ramp_s)
     return {
         "clients": clients,
         "seconds": seconds,
         "counted_from_s": ramp_s,
         "completed": len(done),
-        "tokens_per_s": counted_tokens / (seconds - ramp_s),
-        "requests_per_s": counted_tokens / (seconds - ramp_s) / args.output_tokens,
+        "tokens_per_s": tokens_per_s,
+        "requests_per_s": tokens_per_s / args.output_tokens,
         "finishes": finish_counts(every),
         "failures": failures(every),
         "region": asdict(region),
