@@ -164,7 +164,7 @@ ALWAYS_INLINE void four_outputs(const float *x, int64_t rows, int64_t x_stride, 
     const int64_t pairs = (rows + 1) / 2;
     float dots[8];
     for (int64_t m = 0; m < rows; m += 2) {
-        if (next != NULL) prefetch_slice(next, bytes, m / 2, pairs);
+        if (next != NULL) prefetch_slice(next, bytes, m / 2, pairs, PREFETCH_INTO_L1);
         const int pair = m + 1 < rows;
         if (pair)
             two_rows(x + m * x_stride, x + (m + 1) * x_stride, w, in, quantized, dots);
