@@ -31,6 +31,7 @@
  *   x [rows, ins]   panels [ceil(outs / PANEL), ins, PANEL]   bias [outs] or NULL
  *   y [rows, outs]
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -180,8 +181,10 @@ static void run_panels(const float *x, int64_t rows, int64_t x_stride, int64_t i
     /* Dynamic, two panels at a time: a thread the hypervisor takes the core from for a while
      * leaves its panels to the other instead of making it wait at the barrier (a 64-row
      * decode step, 2 cores of an AMD EPYC Zen 4: 137-140 vs 141-149 ms, three runs each;
-     * 1,024-token prefill steps alike). */
-#pragma omp parallel for collapse(2) schedule(dynamic, 2) num_threads(team)
+     * 1,024-token prefill steps alike). Static when streaming: each thread asks for panel
+     * p + 1 while it runs p, which only holds where a thread runs a contiguous range. */
+    omp_set_schedule(streaming ? omp_sched_static : omp_sched_dynamic, streaming ? 0 : 2);
+#pragma omp parallel for collapse(2) schedule(runtime) num_threads(team)
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t p = 0; p < count; p++) {
             const int64_t first = p * PANEL, row0 = b * per_block;
