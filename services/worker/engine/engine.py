@@ -42,7 +42,7 @@ from services.worker.engine.output_processor import Emission, OutputProcessor
 from services.worker.engine.prefill_kernel import choose_prefill_kernel
 from services.worker.engine.request import RequestState
 from services.worker.engine.rope_store_kernel import choose_rope_store_kernel
-from services.worker.engine.sampler import Sampler, SampleRow
+from services.worker.engine.sampler import Sampler, SampleRow, needs_host
 from services.worker.engine.scheduler import ScheduledChunk, Scheduler
 from services.worker.engine.throughput import ThroughputMeter
 
@@ -186,8 +186,15 @@ class Engine:
                 [self._batch_entry(chunk) for chunk in plan.chunks],
                 interactive_waiting if batch_only else None,
             )
-            self.grammars.mask_logits(logits, [c.state.matcher for c in sampled])
+            matchers = [c.state.matcher for c in sampled]
             rows = [SampleRow(c.state.request.sampling, c.state.num_output_tokens) for c in sampled]
+            if logits.device.type != "cpu" and (
+                needs_host(rows) or any(m is not None for m in matchers)
+            ):
+                # The grammar masks, generators and index tensors live on the CPU: the logits
+                # come over once (a few MB); plain greedy rows take their argmax on the device.
+                logits = logits.cpu()
+            self.grammars.mask_logits(logits, matchers)
             result = self.sampler.sample(logits, rows)
         except StepInterrupted:
             self.num_interrupted_steps += 1

@@ -32,6 +32,12 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+def needs_host(rows: Sequence[SampleRow]) -> bool:
+    """Whether sampling these rows takes the logits on the CPU, where the sampler's generators
+    and index tensors are: every row but a greedy one without logprobs (a bare argmax)."""
+    return not all(row.params.greedy and row.params.logprobs is None for row in rows)
+
+
 def draw_seed(seed: int, output_index: int) -> int:
     """The generator seed for one draw of a seeded request (a 64-bit mix of both)."""
     data = seed.to_bytes(8, "little") + output_index.to_bytes(8, "little")

@@ -46,16 +46,21 @@ def greedy_generate(
 
 
 def transformers_greedy(
-    folder: Path, prompts: list[list[int]], max_new_tokens: int
+    folder: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> list[list[int]]:
-    """transformers' greedy generate on the checkpoint in `folder` (fp32, whatever its
-    family), one prompt at a time, EOS disabled (like ignore_eos)."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    """transformers' greedy generate on the checkpoint in `folder` (whatever its family), one
+    prompt at a time, EOS disabled (like ignore_eos)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    torch.nn.Module.to(model, device)
     model.generation_config.eos_token_id = None
     outputs = []
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=device)
             # An explicit mask: otherwise token 0 (the pad id) would be masked out.
             mask = torch.ones_like(ids)
             generated = model.generate(
