@@ -31,6 +31,11 @@ BENCHMARKS.md and bench/results/peers.json + peers.png.
 --model qwen2-random runs the same rows on a second family: a Qwen2 checkpoint (Q/K/V bias) of
 SmolLM2-135M's shapes and tokenizer with random weights (seed 0), written once as a folder;
 its own section ("Peers ... (qwen2-random)") and peers-qwen2-random.json/.png.
+
+--device cuda runs the same rows on a GPU in bfloat16: kvmesh's engine on the device (its
+torch path: the C kernels are CPU float32 only), transformers there, and the ordinary `vllm`
+package as the peer where it is installed (--skip-vllm where it is not: the table then says
+"not run"); the steps row is CPU-only. Its own section and peers[-MODEL]-cuda.json/.png.
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ LARGE_PRODUCTS = {
 }
 STEP_REPEATS = 7
 KV_CACHE_GIB = 3  # 64 x 640 tokens of fp32 KV is ~1.9 GB
+# --device -> the weights' dtype every system runs in (the usual one there).
+DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -273,7 +280,7 @@ def _process_name(pid: int) -> str:
 def offline_child(system: str, model_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Runs in the child: warm-up, then each run's prompts; outputs and timed regions."""
     work = Workload(**spec["workload"])
-    generate = _offline_generator(system, model_dir, work)
+    generate = _offline_generator(system, model_dir, work, spec["device"])
     generate(spec["warmup"])
     runs: list[dict[str, Any]] = []
     for index, (prompts, spare) in enumerate(zip(spec["runs"], spec["spares"], strict=True)):
@@ -295,20 +302,20 @@ def offline_child(system: str, model_dir: str, spec: dict[str, Any]) -> dict[str
 
 
 def _offline_generator(
-    system: str, model_dir: str, work: Workload
+    system: str, model_dir: str, work: Workload, device: str
 ) -> Callable[[list[list[int]]], list[list[int]]]:
     out = work.offline_output
     if system == "kvmesh":
         from services.worker.engine.api import SamplingParams
         from services.worker.engine.llm import LLM
 
-        llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_GIB << 30, max_num_seqs=64)
+        llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_GIB << 30, max_num_seqs=64, device=device)
         sampling = SamplingParams(max_tokens=out, ignore_eos=True)
         return lambda prompts: [c.token_ids for c in llm.generate(prompts, sampling)]
     if system == "vllm":
         import vllm
 
-        engine = vllm.LLM(model=model_dir, dtype="float32", max_model_len=2048, seed=0)
+        engine = vllm.LLM(model=model_dir, dtype=DTYPES[device], max_model_len=2048, seed=0)
         params = vllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
 
         def run(prompts: list[list[int]]) -> list[list[int]]:
@@ -318,17 +325,19 @@ def _offline_generator(
 
         return run
     if system == "transformers":
-        return _transformers_generator(model_dir, work)
+        return _transformers_generator(model_dir, work, device)
     raise ValueError(f"unknown offline system {system!r}")
 
 
 def _transformers_generator(
-    model_dir: str, work: Workload
+    model_dir: str, work: Workload, device: str
 ) -> Callable[[list[list[int]]], list[list[int]]]:
     import torch
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = getattr(torch, DTYPES[device])
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    torch.nn.Module.to(model, device)
     model.generation_config.eos_token_id = None  # like ignore_eos
 
     def run(prompts: list[list[int]]) -> list[list[int]]:
@@ -336,8 +345,10 @@ def _transformers_generator(
         for start in range(0, len(prompts), work.hf_batch):
             batch = prompts[start : start + work.hf_batch]
             width = max(len(p) for p in batch)
-            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+            mask = torch.tensor(
+                [[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device
+            )
             with torch.inference_mode():
                 generated = model.generate(
                     input_ids=ids,
@@ -578,20 +589,21 @@ class VllmServer:
 
 
 @contextlib.asynccontextmanager
-async def kvmesh_server(model_dir: Path, system: str) -> AsyncIterator[KvmeshServer]:
+async def kvmesh_server(model_dir: Path, system: str, device: str) -> AsyncIterator[KvmeshServer]:
     from bench.mesh import running_stack
 
     mode, engine = STACKS[system]
     stack_args = argparse.Namespace(model=str(model_dir))
     on_vllm = engine == "vllm"
     # vLLM's engine gets what its own server gets: the same environment and batch limits.
+    env = vllm_environment(device) if on_vllm else {}
     async with running_stack(
         stack_args,
         port_offset=PORT_OFFSET,
         mode=mode,
         engine=engine,
-        worker_args=VLLM_SERVER_BATCH_ARGS if on_vllm else (),
-        env=vllm_environment() if on_vllm else None,
+        worker_args=(*(VLLM_SERVER_BATCH_ARGS if on_vllm else ()), f"--device={device}"),
+        env=env,
     ) as services:
         gateway = next(s for s in services if s.name == "gateway").address
         server = KvmeshServer(system, gateway)
@@ -601,8 +613,11 @@ async def kvmesh_server(model_dir: Path, system: str) -> AsyncIterator[KvmeshSer
             await server.close()
 
 
-def vllm_environment() -> dict[str, str]:
-    """vLLM's CPU docs: threads bound to every core, KV space sized, tcmalloc preloaded."""
+def vllm_environment(device: str) -> dict[str, str]:
+    """vLLM's CPU docs: threads bound to every core, KV space sized, tcmalloc preloaded (on a
+    GPU, vLLM's defaults)."""
+    if device != "cpu":
+        return {}
     env = {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
         "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
@@ -614,21 +629,21 @@ def vllm_environment() -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def vllm_server(model_dir: Path) -> AsyncIterator[VllmServer]:
+async def vllm_server(model_dir: Path, device: str) -> AsyncIterator[VllmServer]:
     import aiohttp
 
     command = [
         sys.executable,
         *("-m", "vllm.entrypoints.openai.api_server"),
         *("--model", str(model_dir), "--served-model-name", MODEL),
-        *("--dtype", "float32", "--max-model-len", "2048"),
+        *("--dtype", DTYPES[device], "--max-model-len", "2048"),
         *("--host", "127.0.0.1", "--port", str(VLLM_PORT)),
         "--disable-log-stats",
     ]
     log = Path(tempfile.gettempdir()) / "kvmesh-bench-peers-vllm.log"
     with log.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
-            *command, env=os.environ | vllm_environment(), stdout=out, stderr=out
+            *command, env=os.environ | vllm_environment(device), stdout=out, stderr=out
         )
     url = f"http://127.0.0.1:{VLLM_PORT}"
     try:
@@ -757,6 +772,7 @@ async def _server_row(
 @dataclass(slots=True)
 class Report:
     model: str = MODEL  # a --model choice
+    device: str = "cpu"  # a --device choice
     machine: dict[str, Any] = field(default_factory=dict)
     workload: dict[str, Any] = field(default_factory=dict)
     offline: dict[str, Any] = field(default_factory=dict)  # system -> runs
@@ -765,11 +781,12 @@ class Report:
     agreement: dict[str, Any] = field(default_factory=dict)
 
 
-def machine() -> dict[str, Any]:
+def machine(device: str) -> dict[str, Any]:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     info = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     flags = info.get("Flags", "").split()
     return {
+        "gpu": _gpu_name() if device != "cpu" else None,
         "cpu": info.get("Model name", platform.processor()).strip(),
         "cpu_family": info.get("CPU family", "?").strip(),
         "cpu_model": info.get("Model", "?").strip(),
@@ -778,6 +795,12 @@ def machine() -> dict[str, Any]:
         "avx512_bf16": "avx512_bf16" in flags,
         "load_average_start": os.getloadavg()[0],
     }
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name()
 
 
 def write_model(folder: Path, model: str) -> Any:
@@ -831,17 +854,21 @@ def config_of(model_dir: Path) -> Any:
     return family_for_hf_config(raw).read_config(raw)
 
 
-def heading_of(model: str) -> str:
-    return HEADING if model == MODEL else f"{HEADING} ({model})"
+def heading_of(model: str, device: str) -> str:
+    heading = HEADING if device == "cpu" else f"## Peers on {device.upper()}: kvmesh vs vLLM"
+    return heading if model == MODEL else f"{heading} ({model})"
 
 
-def results_name(model: str) -> str:
-    return "peers" if model == MODEL else f"peers-{model}"
+def results_name(model: str, device: str) -> str:
+    name = "peers" if model == MODEL else f"peers-{model}"
+    return name if device == "cpu" else f"{name}-{device}"
 
 
 async def run(args: argparse.Namespace, console: Console) -> Report:
     work = Workload.quick() if args.quick else Workload()
-    report = Report(model=args.model, machine=machine(), workload=asdict(work))
+    report = Report(
+        model=args.model, device=args.device, machine=machine(args.device), workload=asdict(work)
+    )
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-peers-") as scratch:
         model_dir = Path(scratch) / "model"
         config = write_model(model_dir, args.model)
@@ -868,21 +895,24 @@ Phase = Callable[[Report, Path, Workload, list[dict[str, Any]]], Any]
 
 def _phases(args: argparse.Namespace, server_row_names: list[str]) -> list[tuple[str, Phase]]:
     phases: list[tuple[str, Phase]] = []
+    with_vllm = not args.skip_vllm
     if "offline" in args.rows:
         for system in args.offline_systems:
-            phases.append((f"offline, {system}", _offline_phase(system)))
+            if system != "vllm" or with_vllm:
+                phases.append((f"offline, {system}", _offline_phase(system)))
     if server_row_names:
         phases.append(
             ("kvmesh colocated server", _server_phase("kvmesh colocated", server_row_names))
         )
-        phases.append(("vllm server", _server_phase("vllm", server_row_names)))
+        if with_vllm:
+            phases.append(("vllm server", _server_phase("vllm", server_row_names)))
         if "serving" in server_row_names and not args.skip_disaggregated:
             phases.append(
                 ("kvmesh disaggregated server", _server_phase("kvmesh disaggregated", ["serving"]))
             )
-        if "serving" in server_row_names and not args.skip_kvmesh_vllm:
+        if "serving" in server_row_names and with_vllm and not args.skip_kvmesh_vllm:
             phases.append((f"{KVMESH_ON_VLLM} server", _server_phase(KVMESH_ON_VLLM, ["serving"])))
-    if "steps" in args.rows:
+    if "steps" in args.rows and args.device == "cpu":  # its peak and floor are the CPU's
         phases.append(("kvmesh steps vs the machine", _steps_phase))
     return phases
 
@@ -894,6 +924,7 @@ def _offline_phase(system: str) -> Phase:
         # transformers takes minutes a run: it runs the first set only.
         runs = 1 if system == "transformers" else work.runs
         spec = {
+            "device": report.device,
             "workload": asdict(work),
             "warmup": sets[0]["offline"][:8],
             "runs": [s["offline"] for s in sets[1 : 1 + runs]],
@@ -901,7 +932,7 @@ def _offline_phase(system: str) -> Phase:
         }
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
             json.dump(spec, file)
-        env = vllm_environment() if system == "vllm" else {}
+        env = vllm_environment(report.device) if system == "vllm" else {}
         try:
             result = await asyncio.to_thread(
                 run_child, sys.executable, "offline", [system, str(model_dir), file.name], env
@@ -928,7 +959,9 @@ def _server_phase(system: str, rows: list[str]) -> Phase:
         report: Report, model_dir: Path, work: Workload, sets: list[dict[str, Any]]
     ) -> None:
         context: contextlib.AbstractAsyncContextManager[Server] = (
-            vllm_server(model_dir) if system == "vllm" else kvmesh_server(model_dir, system)
+            vllm_server(model_dir, report.device)
+            if system == "vllm"
+            else kvmesh_server(model_dir, system, report.device)
         )
         async with context as server:
             results = await server_rows(server, rows, work, sets)
@@ -992,14 +1025,12 @@ def best(runs: list[dict[str, Any]], key: str, higher: bool = True) -> float:
 
 
 def table_rows(report: Report) -> list[tuple[str, str, str, str]]:
-    """(workload, kvmesh, vLLM, kvmesh / vLLM) lines of the table."""
+    """(workload, kvmesh, vLLM, kvmesh / vLLM) lines of the table; vLLM's cells read "not run"
+    where it did not run."""
     lines = []
     off = report.offline
-    if "kvmesh" in off and "vllm" in off:
-        k, v = best(off["kvmesh"], "tok_s"), best(off["vllm"], "tok_s")
-        lines.append(
-            ("offline, LLM.generate: output tok/s", f"{k:.1f}", f"{v:.1f}", f"{k / v:.2f}x")
-        )
+    if "kvmesh" in off:
+        lines.append(_versus("offline, LLM.generate: output tok/s", off["kvmesh"], off.get("vllm")))
     if "transformers" in off and "kvmesh" in off:
         t = best(off["transformers"], "tok_s")
         lines.append(
@@ -1012,74 +1043,50 @@ def table_rows(report: Report) -> list[tuple[str, str, str, str]]:
         )
     srv = report.servers
     kv, vl = srv.get("kvmesh colocated", {}), srv.get("vllm", {})
-    if "serving" in kv and "serving" in vl:
-        k, v = kv["serving"], vl["serving"]
-        lines.append(
-            (
-                "serving, 32 concurrent: output tok/s",
-                f"{best(k, 'tok_s'):.1f}",
-                f"{best(v, 'tok_s'):.1f}",
-                f"{best(k, 'tok_s') / best(v, 'tok_s'):.2f}x",
-            )
-        )
+    if "serving" in kv:
+        k, v = kv["serving"], vl.get("serving")
+        lines.append(_versus("serving, 32 concurrent: output tok/s", k, v))
         for key, label in (
             ("ttft_p50_ms", "TTFT p50 ms"),
             ("ttft_p99_ms", "TTFT p99 ms"),
             ("tpot_p50_ms", "TPOT p50 ms"),
         ):
-            a, b = best(k, key, higher=False), best(v, key, higher=False)
-            lines.append(
-                (f"serving, 32 concurrent: {label}", f"{a:.0f}", f"{b:.0f}", f"{a / b:.2f}x")
-            )
+            lines.append(_versus(f"serving, 32 concurrent: {label}", k, v, key))
     disagg = srv.get("kvmesh disaggregated", {})
-    if "serving" in disagg and "serving" in vl:
-        d, v = best(disagg["serving"], "tok_s"), best(vl["serving"], "tok_s")
-        lines.append(
-            (
-                "serving, `kvmesh up` disaggregated: output tok/s",
-                f"{d:.1f}",
-                f"{v:.1f}",
-                f"{d / v:.2f}x",
-            )
-        )
+    if "serving" in disagg:
+        label = "serving, `kvmesh up` disaggregated: output tok/s"
+        lines.append(_versus(label, disagg["serving"], vl.get("serving")))
     on_vllm = srv.get(KVMESH_ON_VLLM, {})
     if "serving" in on_vllm and "serving" in vl:
         o, v = on_vllm["serving"], vl["serving"]
-        lines.append(
-            (
-                "serving, `kvmesh up --engine vllm` colocated: output tok/s",
-                f"{best(o, 'tok_s'):.1f}",
-                f"{best(v, 'tok_s'):.1f}",
-                f"{best(o, 'tok_s') / best(v, 'tok_s'):.2f}x",
-            )
-        )
+        lines.append(_versus("serving, `kvmesh up --engine vllm` colocated: output tok/s", o, v))
         for key, label in (("ttft_p99_ms", "TTFT p99 ms"), ("tpot_p50_ms", "TPOT p50 ms")):
-            a, b = best(o, key, higher=False), best(v, key, higher=False)
-            lines.append(
-                (
-                    f"serving, `kvmesh up --engine vllm`: {label}",
-                    f"{a:.0f}",
-                    f"{b:.0f}",
-                    f"{a / b:.2f}x",
-                )
-            )
-    if "single" in kv and "single" in vl:
-        k, v = best(kv["single"], "tok_s"), best(vl["single"], "tok_s")
-        lines.append(("one request, 128 + 128: tok/s", f"{k:.1f}", f"{v:.1f}", f"{k / v:.2f}x"))
-        a, b = best(kv["single"], "ttft_ms", False), best(vl["single"], "ttft_ms", False)
-        lines.append(("one request: TTFT ms", f"{a:.0f}", f"{b:.0f}", f"{a / b:.2f}x"))
-    if "prefix" in kv and "prefix" in vl:
+            lines.append(_versus(f"serving, `kvmesh up --engine vllm`: {label}", o, v, key))
+    if "single" in kv:
+        k, v = kv["single"], vl.get("single")
+        lines.append(_versus("one request, 128 + 128: tok/s", k, v))
+        lines.append(_versus("one request: TTFT ms", k, v, "ttft_ms"))
+    if "prefix" in kv:
         for key, label in (("cold_ttft_ms", "cold"), ("warm_ttft_ms", "warm")):
-            a, b = best(kv["prefix"], key, False), best(vl["prefix"], key, False)
-            lines.append(
-                (
-                    f"1,024-token prefix + 32: {label} TTFT ms",
-                    f"{a:.0f}",
-                    f"{b:.0f}",
-                    f"{a / b:.2f}x",
-                )
-            )
+            label = f"1,024-token prefix + 32: {label} TTFT ms"
+            lines.append(_versus(label, kv["prefix"], vl.get("prefix"), key))
     return lines
+
+
+def _versus(
+    label: str,
+    ours: list[dict[str, Any]],
+    theirs: list[dict[str, Any]] | None,
+    key: str = "tok_s",
+) -> tuple[str, str, str, str]:
+    """One table line: the better run of each side (higher tok/s, lower times) and the ratio."""
+    higher = key == "tok_s"
+    digits = 1 if higher else 0
+    a = best(ours, key, higher)
+    if theirs is None:
+        return (label, f"{a:.{digits}f}", "not run", "")
+    b = best(theirs, key, higher)
+    return (label, f"{a:.{digits}f}", f"{b:.{digits}f}", f"{a / b:.2f}x")
 
 
 def step_lines(report: Report) -> list[str]:
@@ -1183,32 +1190,25 @@ def _region_line(name: str, run: dict[str, Any]) -> str:
 
 def markdown(report: Report, command: str) -> str:
     m = report.machine
-    isa = "AVX2 (no AVX-512)"
-    if m["avx512"]:
-        isa = "AVX-512 + BF16" if m["avx512_bf16"] else "AVX-512"
     model = (
         MODEL
         if report.model == MODEL
         else f"{report.model} (a Qwen2 model of {MODEL}'s shapes, random weights)"
     )
-    name = results_name(report.model)
+    name = results_name(report.model, report.device)
     lines = [
-        heading_of(report.model),
+        heading_of(report.model, report.device),
         "",
-        f"`{command}` — {model} in fp32 from one Hugging Face folder written by kvmesh's "
-        f"loader, the same prompt token ids for every system, on {m['cpu']} ({m['cores']} "
-        f"cores, {isa}); load average {m['load_average_start']:.1f} at the start, "
-        f"{m['load_average_end']:.1f} at the end. vLLM {_vllm_version()} (compiled by "
-        "inductor, VLLM_CPU_OMP_THREADS_BIND over every core, VLLM_CPU_KVCACHE_SPACE set, "
-        "tcmalloc preloaded where installed); kvmesh with its defaults (`kvmesh up --mode "
-        "colocated` for the server rows); `kvmesh up --engine vllm` is the same mesh on vLLM's "
-        "engine (compiled, threads on every core, vLLM's environment and its server's batch "
-        "limits, --max-num-batched-tokens 2048 --max-num-seqs 128). One warm-up each, then "
+        f"`{command}` — {model} in {DTYPES[report.device]} from one Hugging Face folder written "
+        f"by kvmesh's loader, the same prompt token ids for every system, on {_where(m)}; load "
+        f"average {m['load_average_start']:.1f} at the start, {m['load_average_end']:.1f} at "
+        f"the end. {_vllm_setup(report)}; kvmesh with its defaults (`kvmesh up --mode "
+        "colocated` for the server rows). One warm-up each, then "
         f"{report.workload['runs']} "
         "run(s) per row on fresh prompts; each figure is the better undisturbed run. Results: "
         f"`bench/results/{name}.json`, `bench/results/{name}.png`.",
         "",
-        "| workload | kvmesh | vLLM CPU | kvmesh / vLLM |",
+        f"| workload | kvmesh | {_peer_name(report)} | kvmesh / vLLM |",
         "|---|---|---|---|",
     ]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in table_rows(report)]
@@ -1243,6 +1243,35 @@ def markdown(report: Report, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _where(m: dict[str, Any]) -> str:
+    """The machine the figures came from, as the section says it."""
+    if m.get("gpu"):
+        return f"{m['gpu']} (host {m['cpu']}, {m['cores']} cores)"
+    isa = "AVX2 (no AVX-512)"
+    if m["avx512"]:
+        isa = "AVX-512 + BF16" if m["avx512_bf16"] else "AVX-512"
+    return f"{m['cpu']} ({m['cores']} cores, {isa})"
+
+
+def _peer_name(report: Report) -> str:
+    return "vLLM CPU" if report.device == "cpu" else "vLLM"
+
+
+def _vllm_setup(report: Report) -> str:
+    """How vLLM ran, or that it did not."""
+    if "vllm" not in report.offline and "vllm" not in report.servers:
+        return "vLLM not run (--skip-vllm: not installed where this ran)"
+    if report.device != "cpu":
+        return f"vLLM {_vllm_version()} (the `vllm` package with its defaults)"
+    return (
+        f"vLLM {_vllm_version()} (compiled by inductor, VLLM_CPU_OMP_THREADS_BIND over every "
+        "core, VLLM_CPU_KVCACHE_SPACE set, tcmalloc preloaded where installed); `kvmesh up "
+        "--engine vllm` is the same mesh on vLLM's engine (compiled, threads on every core, "
+        "vLLM's environment and its server's batch limits, --max-num-batched-tokens 2048 "
+        "--max-num-seqs 128)"
+    )
+
+
 def _vllm_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -1258,13 +1287,10 @@ def plot(report: Report, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [
-        r
-        for r in table_rows(report)
-        if r[1] and r[2] and "x" in r[3] and not r[3].startswith("kvmesh")
-    ]
+    # Every line with a ratio: kvmesh / vLLM, and kvmesh / transformers on the offline row.
+    rows = [r for r in table_rows(report) if r[3]]
     names = [r[0] for r in rows]
-    ratios = [float(r[3].rstrip("x")) for r in rows]
+    ratios = [float(r[3].split()[-1].rstrip("x")) for r in rows]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
     colors = [
         "tab:green" if ("tok/s" in n) == (x >= 1) else "tab:red"
@@ -1272,9 +1298,10 @@ def plot(report: Report, path: Path) -> None:
     ]
     ax.barh(names, ratios, color=colors)
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xlabel("kvmesh / vLLM CPU (tok/s: higher is better; ms: lower is better)")
+    peer = _peer_name(report)
+    ax.set_xlabel(f"kvmesh / {peer} (tok/s: higher is better; ms: lower is better)")
     ax.invert_yaxis()
-    ax.set_title(f"kvmesh vs vLLM CPU, {report.machine['cpu']}, {report.machine['cores']} cores")
+    ax.set_title(f"kvmesh vs {peer}, {_where(report.machine)}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -1300,6 +1327,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=["kvmesh", "vllm", "transformers"],
     )
     parser.add_argument("--model", choices=MODELS, default=MODEL, help="the weights to run")
+    parser.add_argument(
+        "--device",
+        choices=tuple(DTYPES),
+        default="cpu",
+        help="where every system runs, in float32 on the CPU or bfloat16 on the GPU",
+    )
+    parser.add_argument(
+        "--skip-vllm",
+        action="store_true",
+        help="leave vLLM out where it is not installed (its figures read 'not run')",
+    )
     parser.add_argument("--skip-disaggregated", action="store_true")
     parser.add_argument(
         "--skip-kvmesh-vllm",
@@ -1323,10 +1361,9 @@ def child(args: argparse.Namespace) -> None:
 
 
 def command_line(args: argparse.Namespace) -> str:
+    python = ".venv-vllm/bin/python" if args.device == "cpu" else "python3"
     parts = (
-        ["make bench-peers"]
-        if not sys.argv[1:]
-        else [".venv-vllm/bin/python -m bench.peers", *sys.argv[1:]]
+        ["make bench-peers"] if not sys.argv[1:] else [f"{python} -m bench.peers", *sys.argv[1:]]
     )
     return " ".join(parts)
 
@@ -1343,13 +1380,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     section = markdown(report, command_line(args))
     console.print(section)
     if not args.no_write:
-        name = results_name(args.model)
+        name = results_name(args.model, args.device)
         write_results(name, asdict(report))
         plot(report, RESULTS / f"{name}.png")
         write_section(section, BENCHMARKS)
         console.print(
             f"wrote {RESULTS}/{name}.json, {RESULTS}/{name}.png and "
-            f"{heading_of(args.model)!r} in {BENCHMARKS}"
+            f"{heading_of(args.model, args.device)!r} in {BENCHMARKS}"
         )
     return 0
 
