@@ -1257,9 +1257,13 @@ def _peer_name(report: Report) -> str:
     return "vLLM CPU" if report.device == "cpu" else "vLLM"
 
 
+def _vllm_ran(report: Report) -> bool:
+    return "vllm" in report.offline or "vllm" in report.servers
+
+
 def _vllm_setup(report: Report) -> str:
     """How vLLM ran, or that it did not."""
-    if "vllm" not in report.offline and "vllm" not in report.servers:
+    if not _vllm_ran(report):
         return "vLLM not run (--skip-vllm: not installed where this ran)"
     if report.device != "cpu":
         return f"vLLM {_vllm_version()} (the `vllm` package with its defaults)"
@@ -1289,7 +1293,7 @@ def plot(report: Report, path: Path) -> None:
 
     # Every line with a ratio: kvmesh / vLLM, and kvmesh / transformers on the offline row.
     rows = [r for r in table_rows(report) if r[3]]
-    names = [r[0] for r in rows]
+    names = [f"{r[0]} (kvmesh / it)" if r[3].startswith("kvmesh") else r[0] for r in rows]
     ratios = [float(r[3].split()[-1].rstrip("x")) for r in rows]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
     colors = [
@@ -1301,7 +1305,8 @@ def plot(report: Report, path: Path) -> None:
     peer = _peer_name(report)
     ax.set_xlabel(f"kvmesh / {peer} (tok/s: higher is better; ms: lower is better)")
     ax.invert_yaxis()
-    ax.set_title(f"kvmesh vs {peer}, {_where(report.machine)}")
+    absent = "" if _vllm_ran(report) else " (not run)"
+    ax.set_title(f"kvmesh vs {peer}{absent}\n{_where(report.machine)}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
