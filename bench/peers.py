@@ -613,7 +613,7 @@ async def kvmesh_server(model_dir: Path, system: str, device: str) -> AsyncItera
             await server.close()
 
 
-def vllm_environment(device: str) -> dict[str, str]:
+def vllm_environment(device: str = "cpu") -> dict[str, str]:
     """vLLM's CPU docs: threads bound to every core, KV space sized, tcmalloc preloaded (on a
     GPU, vLLM's defaults)."""
     if device != "cpu":
@@ -781,7 +781,7 @@ class Report:
     agreement: dict[str, Any] = field(default_factory=dict)
 
 
-def machine(device: str) -> dict[str, Any]:
+def machine(device: str = "cpu") -> dict[str, Any]:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
     info = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     flags = info.get("Flags", "").split()
