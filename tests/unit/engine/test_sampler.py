@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from services.worker.engine.api import SamplingParams
-from services.worker.engine.sampler import Sampler, SampleRow
+from services.worker.engine.sampler import Sampler, SampleRow, needs_host
 
 VOCAB = 50
 
@@ -96,3 +96,12 @@ def test_zero_logprobs_gives_only_the_chosen_token() -> None:
     out = Sampler().sample(random_logits(1, 6), [SampleRow(SamplingParams(logprobs=0), 0)])
     assert out.logprobs[0] is not None
     assert out.logprobs[0].top == []
+
+
+def test_only_plain_greedy_rows_sample_where_the_logits_are() -> None:
+    """A GPU's logits stay there only for rows whose token is a bare argmax."""
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.7)
+    with_logprobs = SamplingParams(logprobs=1)
+    assert not needs_host([SampleRow(greedy, 0), SampleRow(greedy, 3)])
+    assert needs_host([SampleRow(greedy, 0), SampleRow(sampled, 0)])
+    assert needs_host([SampleRow(with_logprobs, 0)])
