@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -446,17 +447,24 @@ def test_a_pool_scales_up_and_back_down_again_and_again(stack: RunningStack) -> 
         samples = scrape(router_metrics)
         return metric(samples, "kvmesh:router_workers_in_rotation", tier=TIER, pool="decode")
 
-    start = in_rotation()
+    # The pool's size comes from each scale reply ("... N now"), not from the gauge before
+    # the first step: right after an earlier test drained a worker, the router may still count
+    # it in rotation for a health-check interval.
+    sizes = []
     for step in ("+1", "-1", "+1", "-1"):
         reply = stack.cli("scale", "decode", step, "--target", stack.gateway, timeout=180)
         assert reply.returncode == 0, f"scale decode {step}: {reply.stdout}{reply.stderr}"
-        expected = start + (1 if step == "+1" else 0)
+        found = re.search(r"(\d+) now", reply.stdout)
+        assert found is not None, reply.stdout
+        sizes.append(expected := int(found.group(1)))
         deadline = time.monotonic() + 10
         while in_rotation() != expected and time.monotonic() < deadline:
             time.sleep(0.1)
         assert in_rotation() == expected, f"after scale decode {step}"
         results = asyncio.run(concurrent_streams(stack.gateway, count=2, max_tokens=MAX_TOKENS))
         assert all(len(r.token_ids) == MAX_TOKENS for r in results), f"after {step}"
+    up = sizes[0]
+    assert sizes == [up, up - 1, up, up - 1]
 
 
 def pid_listening_on(port: int) -> int:
