@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -54,8 +55,7 @@ def transformers_greedy(
 ) -> list[list[int]]:
     """transformers' greedy generate on the checkpoint in `folder` (whatever its family), one
     prompt at a time, EOS disabled (like ignore_eos)."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    torch.nn.Module.to(model, device)
+    model = transformers_model(folder, device, dtype)
     model.generation_config.eos_token_id = None
     outputs = []
     with torch.no_grad():
@@ -72,3 +72,10 @@ def transformers_greedy(
             )
             outputs.append(generated[0, len(prompt) :].tolist())
     return outputs
+
+
+def transformers_model(folder: Path, device: str, dtype: torch.dtype) -> Any:
+    """transformers' model of the checkpoint in `folder`, in `dtype` on `device`, for inference."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    torch.nn.Module.to(model, device)
+    return model

@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from kvmesh.contracts.constraints import Constraint, ConstraintKind
 from services.worker.engine.api import EngineRequest, FinishReason, SamplingParams
 from services.worker.engine.engine import Engine
 from services.worker.engine.loader import LoadedModel, load_model
 from services.worker.engine.model_runner import BatchEntry
-from tests.unit.engine.greedy import transformers_greedy
+from tests.unit.engine.greedy import transformers_greedy, transformers_model
 from tests.unit.engine.test_engine import drive, make_engine, staggered
 
 pytestmark = pytest.mark.skipif(
@@ -69,8 +68,7 @@ def test_prefill_logits_match_transformers_on_the_device(
     the same device, within `tolerance` of the largest logit (bfloat16 rounds each product's
     inputs to 8 bits of mantissa, and the two sum in different orders)."""
     runner = make_engine(loaded_on_cuda(tiny_llama_dir, dtype)).runner
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=dtype).eval()
-    torch.nn.Module.to(model, "cuda")
+    model = transformers_model(tiny_llama_dir, "cuda", dtype)
     for prompt in prompts:
         table = list(range(math.ceil(len(prompt) / runner.block_size)))
         ours = runner.forward([BatchEntry(prompt, 0, table)])[0]
