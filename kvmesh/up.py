@@ -30,7 +30,7 @@ from kvmesh.control import (
     stack_file,
     write_stack_file,
 )
-from kvmesh.errors import InvalidArgument
+from kvmesh.errors import InvalidArgument, Unavailable
 from kvmesh.mesh_auth import OPERATOR_MEMBER_NAME, MeshMember, MeshRole, certificate_name
 from kvmesh.mesh_keys import MeshKeys, write_secret_file
 from kvmesh.stack import (
@@ -55,6 +55,11 @@ RESTARTS_ALLOWED = 3
 RESTART_WINDOW_S = 60.0
 FIRST_RESTART_DELAY_S = 1.0
 """Wait before the first restart of a service; doubled for each further one in the window."""
+ROTATION_WAIT_S = 30.0
+"""How long `kvmesh scale` waits for the router to route to a worker it added, once the worker
+says it serves."""
+ROTATION_POLL_S = 0.25
+"""How often it asks the router meanwhile (the router checks its workers every 0.5 s)."""
 
 COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 
@@ -71,6 +76,11 @@ ROLE_PROTO = {
     "decode": worker_pb2.WORKER_ROLE_DECODE,
     "colocated": worker_pb2.WORKER_ROLE_COLOCATED,
 }
+
+
+def in_rotation(status: router_pb2.RouterStatusResponse, address: str) -> bool:
+    """Whether the router's status shows the worker at `address` taking requests."""
+    return any(w.healthy for pool in status.pools for w in pool.workers if w.address == address)
 
 
 def start_waves(services: list[StackService]) -> list[list[StackService]]:
@@ -122,13 +132,10 @@ class Stack:
         """Running workers of a role, oldest first."""
         return [c for c in self.supervisor.children if c.service.role == role]
 
-    async def _router_call(self, method: str, request: Any) -> router_pb2.WorkerChangeResponse:
+    async def _router_call(self, method: str, request: Any) -> Any:
         async with member_channel(self.router.address, operator(self.options.state_dir)) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
-            reply: router_pb2.WorkerChangeResponse = await getattr(stub, method)(
-                request, timeout=10
-            )
-            return reply
+            return await getattr(stub, method)(request, timeout=10)
 
     async def add_worker(self, role: str) -> StackService:
         """Starts one more worker of `role` and announces it to the router."""
@@ -148,13 +155,31 @@ class Stack:
         child = await self.supervisor.spawn(service)
         await self.supervisor.wait_ready([child])
         self.services.append(service)
-        await self._router_call(
+        reply = await self._router_call(
             "AddWorker",
             router_pb2.AddWorkerRequest(
                 tier=self.options.tier_name, role=ROLE_PROTO[role], address=service.address
             ),
         )
+        await self._until_in_rotation(service.address, reply.status)
         return service
+
+    async def _until_in_rotation(
+        self, address: str, status: router_pb2.RouterStatusResponse
+    ) -> None:
+        """Returns once the router routes to `address`: its check at AddWorker can fail while
+        a newcomer that has just said SERVING still settles in, and until the next check the
+        router sends it nothing, though `kvmesh scale` would already have said it was added."""
+        waited = 0.0
+        while not in_rotation(status, address):
+            if waited >= ROTATION_WAIT_S:
+                raise Unavailable(
+                    f"{address} started, but the router has not put it in rotation after "
+                    f"{ROTATION_WAIT_S:.0f}s (`kvmesh status` shows why)"
+                )
+            await asyncio.sleep(ROTATION_POLL_S)
+            waited += ROTATION_POLL_S
+            status = await self._router_call("Status", router_pb2.RouterStatusRequest())
 
     async def drain_worker(self, role: str) -> StackService:
         """Takes the newest worker of `role` out of rotation, then lets it finish and exit."""

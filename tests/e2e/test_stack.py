@@ -410,6 +410,10 @@ def test_scale_up_adds_a_decode_worker_that_serves(stack: RunningStack) -> None:
     assert reply.returncode == 0, reply.stdout + reply.stderr
     new_address = f"127.0.0.1:{FIRST_WORKER_PORT + stack.offset + 2}"
     assert new_address in reply.stdout
+    # The reply comes once the router routes to the newcomer, not merely once it started.
+    status = stack.cli("status", "--target", stack.gateway)
+    row = next(line for line in status.stdout.splitlines() if new_address in line)
+    assert "yes" in row.split(), status.stdout
     new_metrics = stack.metrics_url(stack.worker_metrics_port(2))
     before = metric(scrape(new_metrics), "kvmesh:generation_tokens_total")
     results = asyncio.run(concurrent_streams(stack.gateway, count=4, max_tokens=MAX_TOKENS))

@@ -7,6 +7,8 @@ import pytest
 from kvmesh.config import load_config
 from kvmesh.stack import SHARED_CORES_ENV, StackOptions, plan_workers
 from kvmesh.supervisor import service_environment
+from kvmesh.up import in_rotation
+from kvmesh.v1 import router_pb2
 from services.worker.config import WorkerConfig
 
 
@@ -44,3 +46,16 @@ def test_a_variable_the_caller_set_wins_over_the_plans() -> None:
     assert service_environment(worker, {"PATH": "/bin"}, {})["OMP_WAIT_POLICY"] == "PASSIVE"
     mine = service_environment(worker, {"OMP_WAIT_POLICY": "ACTIVE"}, {"KVMESH_X": "1"})
     assert mine == {"OMP_WAIT_POLICY": "ACTIVE", "PYTHONUNBUFFERED": "1", "KVMESH_X": "1"}
+
+
+def test_kvmesh_scale_waits_for_the_router_to_call_the_newcomer_healthy() -> None:
+    pool = router_pb2.PoolStatus(
+        workers=[
+            router_pb2.WorkerStatus(address="127.0.0.1:1", healthy=True),
+            router_pb2.WorkerStatus(address="127.0.0.1:2", healthy=False),
+        ]
+    )
+    status = router_pb2.RouterStatusResponse(pools=[pool])
+    assert in_rotation(status, "127.0.0.1:1")
+    assert not in_rotation(status, "127.0.0.1:2")  # its first check failed: not yet
+    assert not in_rotation(status, "127.0.0.1:3")  # not registered at all
