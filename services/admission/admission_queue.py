@@ -9,8 +9,9 @@ than leave part of the workers' batch empty. A freed slot goes to the oldest int
 waiter first, then to the oldest batch waiter: batch work yields to interactive work. A
 request that finds no free slot is shed at once (ResourceExhausted with a retry-after) when
 its class's queue is full or when the expected wait plus its expected service time would
-outlast its deadline (shedding.py); a waiter whose slot comes too late to finish in time is
-not started but ends with DeadlineExceeded. A request that finds a free slot takes it: it
+outlast its deadline (shedding.py; the wait widened by how far recent waits ran over their
+estimates, calibration.py); a waiter whose slot comes too late to finish in time is not
+started but ends with DeadlineExceeded. A request that finds a free slot takes it: it
 holds up nobody.
 
 The expected wait counts the slots that free up (the limit's worth per average hold) and who
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from kvmesh.errors import DeadlineExceeded, ResourceExhausted
 from kvmesh.tenants import PriorityClass
 from services.admission import metrics
-from services.admission.calibration import ServiceCalibration
+from services.admission.calibration import ServiceCalibration, WaitCalibration
 from services.admission.limiter import ConcurrencyLimit, FixedLimit
 from services.admission.shedding import MIN_RETRY_S, judge
 
@@ -95,6 +96,9 @@ class _Waiter:
     future: asyncio.Future[None]
     deadline: float | None
     service_s: float | None
+    arrived: float
+    expected_wait_s: float
+    """The wait it was admitted on (the margin left out: what the margin is learned from)."""
 
 
 class AdmissionQueue:
@@ -115,6 +119,7 @@ class AdmissionQueue:
         self.limiter = limiter if limiter is not None else FixedLimit(limits.max_in_flight)
         self.service_aware = service_aware
         self.calibration = ServiceCalibration()
+        self.wait_calibration = WaitCalibration()
         self._clock = clock
         self._running = dict.fromkeys(PriorityClass, 0)
         self._waiting: dict[PriorityClass, deque[_Waiter]] = {p: deque() for p in PriorityClass}
@@ -170,8 +175,9 @@ class AdmissionQueue:
             self._count_running(priority, +1)
             fits = _fits(arrived, deadline, service_s)
             return Ticket(priority, admitted_at=arrived, queued_s=0.0, expected_in_time=fits)
-        self._shed_if_hopeless(priority, arrived, deadline, service_s)
-        waiter = _Waiter(asyncio.get_running_loop().create_future(), deadline, service_s)
+        wait_s = self._shed_if_hopeless(priority, arrived, deadline, service_s)
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(loop.create_future(), deadline, service_s, arrived, wait_s)
         self._waiting[priority].append(waiter)
         self._publish(priority)
         try:
@@ -181,6 +187,8 @@ class AdmissionQueue:
             self._abandon(priority, waiter)
             if isinstance(error, TimeoutError | DeadlineExceeded):
                 waited = self._clock() - arrived
+                if waiter.future.cancelled():  # it timed out unserved (else _dispatch learnt)
+                    self._learn_wait(waiter, waited)
                 metrics.REQUESTS_SHED.labels(priority.name.lower(), "deadline").inc()
                 raise DeadlineExceeded(
                     f"the deadline passed after {waited:.3f}s in the admission queue"
@@ -269,7 +277,9 @@ class AdmissionQueue:
         now: float,
         deadline: float | None,
         service_s: float | None,
-    ) -> None:
+    ) -> float:
+        """Refuses a request that cannot finish in time if it queues; else returns the wait
+        expected for it."""
         label = priority.name.lower()
         wait = self.expected_wait_s(priority)
         if self.waiting(priority) >= self.limits.queue_size(priority):
@@ -279,12 +289,14 @@ class AdmissionQueue:
                 "retry later",
                 retry_after_s=max(wait, MIN_RETRY_S),
             )
-        refusal = judge(None if deadline is None else deadline - now, wait, service_s)
+        margin = self.wait_calibration.margin_s if self.service_aware else 0.0
+        refusal = judge(None if deadline is None else deadline - now, wait + margin, service_s)
         if refusal is not None:
             metrics.REQUESTS_SHED.labels(label, refusal.reason).inc()
             raise ResourceExhausted(
                 f"{label}: {refusal.message}", retry_after_s=refusal.retry_after_s
             )
+        return wait
 
     def _dispatch(self) -> None:
         """Grants free slots: interactive waiters first, then batch within its share; a
@@ -296,6 +308,7 @@ class AdmissionQueue:
                 waiter = queue.popleft()
                 if waiter.future.done():
                     continue
+                self._learn_wait(waiter, now - waiter.arrived)
                 if _too_late(waiter, now):
                     waiter.future.set_exception(
                         DeadlineExceeded("its slot came too late to finish before the deadline")
@@ -304,6 +317,12 @@ class AdmissionQueue:
                 self._count_running(priority, +1)
                 waiter.future.set_result(None)
             self._publish(priority)
+
+    def _learn_wait(self, waiter: _Waiter, waited_s: float) -> None:
+        """A waiter got its slot, or left the queue unserved when its deadline came: how far
+        its wait ran over the estimate it was admitted on."""
+        self.wait_calibration.observe(waited_s, waiter.expected_wait_s)
+        metrics.WAIT_MARGIN.set(self.wait_calibration.margin_s)
 
     def _abandon(self, priority: PriorityClass, waiter: _Waiter) -> None:
         """A waiter gave up (deadline or cancel): drop it, or return a slot it already got."""

@@ -38,6 +38,10 @@ SERVICE_CALIBRATION = Gauge(
     "kvmesh:admission_service_calibration",
     "Factor on the workers' expected service time: recent requests' actual over expected (p90).",
 )
+WAIT_MARGIN = Gauge(
+    "kvmesh:admission_wait_margin_seconds",
+    "Seconds added to the expected queue wait: recent waits' overrun of their estimate (p90).",
+)
 REQUESTS_SHED = Counter(
     "kvmesh:requests_shed_total",
     "Requests refused by admission control, by priority and reason.",

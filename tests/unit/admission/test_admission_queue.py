@@ -132,6 +132,9 @@ async def test_a_waiter_whose_deadline_passes_gives_up_cleanly() -> None:
     with pytest.raises(DeadlineExceeded):
         await q.admit(INTERACTIVE, deadline=time.monotonic() + 0.05)
     assert q.waiting(INTERACTIVE) == 0
+    # Admitted on a wait of 0 (nothing measured yet), it waited its 50 ms: learnt once.
+    (overrun,) = q.wait_calibration._samples
+    assert overrun >= 0.045
     q.release(ticket)
     assert q.running() == 0
     assert (await asyncio.wait_for(q.admit(INTERACTIVE), 1.0)).queued_s == 0
@@ -408,3 +411,50 @@ async def test_batch_waits_for_the_slots_interactive_requests_leave_over() -> No
     for ticket in held:
         q.release(ticket)
     assert q.running() == 0
+
+
+async def test_waits_that_ran_over_their_estimate_widen_the_one_shed_by() -> None:
+    clock = ManualClock()
+    q = aware_queue(FixedLimit(1), clock, batch_max=1)
+    holder = await q.admit(INTERACTIVE)
+    overruns = []
+    for _ in range(q.wait_calibration.min_samples):
+        clock.now += 1.0
+        expected = q.expected_wait_s(INTERACTIVE)
+        waiter = asyncio.create_task(q.admit(INTERACTIVE, deadline=clock.now + 60.0))
+        await settle()
+        clock.now += 3.0  # a wave: the slot frees 3 s later, whatever the average said
+        q.release(holder)
+        holder = await waiter
+        overruns.append(3.0 - expected)
+    assert q.wait_calibration.margin_s == pytest.approx(max(overruns))  # p90 of 8: the top
+    # Expected wait plus service fits its deadline, with less to spare than waits ran over:
+    # refused now, with the margin in the wait it was told.
+    expected = q.expected_wait_s(INTERACTIVE)
+    margin = q.wait_calibration.margin_s
+    with pytest.raises(ResourceExhausted) as raised:
+        await q.admit(INTERACTIVE, deadline=clock.now + expected + 4.0 + margin / 2, service_s=4.0)
+    assert f"expected wait ({expected + margin:.3f}s)" in str(raised.value)
+    assert raised.value.retry_after_s == pytest.approx(margin / 2)
+    # One with the margin to spare waits.
+    waiter = asyncio.create_task(
+        q.admit(INTERACTIVE, deadline=clock.now + expected + 4.0 + margin * 1.5, service_s=4.0)
+    )
+    await settle()
+    assert q.waiting(INTERACTIVE) == 1
+    q.release(holder)
+    q.release(await waiter)
+
+
+async def test_a_waiter_that_ran_out_of_time_in_the_queue_teaches_its_overrun() -> None:
+    clock = ManualClock()
+    q = aware_queue(FixedLimit(1), clock, batch_max=1)
+    holder = await q.admit(INTERACTIVE)
+    late = asyncio.create_task(q.admit(INTERACTIVE, deadline=clock.now + 5.0, service_s=3.0))
+    await settle()
+    clock.now += 4.0  # 1 s left when the slot frees, 3 s of work: not started
+    q.release(holder)
+    with pytest.raises(DeadlineExceeded):
+        await late
+    # It was admitted on a wait of 0 (nothing measured yet) and waited 4 s.
+    assert list(q.wait_calibration._samples) == [pytest.approx(4.0)]
