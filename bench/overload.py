@@ -309,6 +309,7 @@ def summary(outcomes: Sequence[Outcome], seconds: float, capacity: float) -> dic
         "goodput_drained_per_s": len(in_time) / whole_s,
         "goodput_drained_vs_capacity": len(in_time) / whole_s / capacity,
         "admitted_not_in_time": len(wasted),
+        "admitted_without_a_token": sum(o.tokens == 0 for o in wasted),
         "useful_tokens": sum(o.tokens for o in in_time),
         "wasted_tokens": sum(o.tokens for o in wasted),
         "shed": len(refused),
@@ -602,7 +603,8 @@ def verdicts(report: dict[str, Any]) -> list[str]:
         f"(goal >= {GOODPUT_GOAL}x: {'met' if ratio >= GOODPUT_GOAL else 'missed'}); per "
         f"second of arrivals {new['goodput_per_s']:.2f}/s = "
         f"{new['goodput_vs_capacity']:.2f}x. Admitted but not in time: "
-        f"{new['admitted_not_in_time']} ({new['wasted_tokens']} tokens generated for them, "
+        f"{new['admitted_not_in_time']} ({new['admitted_without_a_token']} without a token; "
+        f"{new['wasted_tokens']} tokens generated for them, "
         f"{new['useful_tokens']} for the ones in time).",
         f"- Interactive p99 TTFT at {GOAL_LOAD}x: {ttft:.0f} ms (goal <= "
         f"{DEADLINE_S['interactive'] * 1000:.0f} ms: "
@@ -645,7 +647,8 @@ def markdown(report: dict[str, Any], command: str) -> str:
         "to meet take it down to `--min-in-flight` 4 and windows without bring it back, at "
         "most `--max-in-flight` 256; the limit column is its range sampled once a second; "
         "batch requests take every slot while no interactive one is about; "
-        "shedding by the workers' measured service time), **old** = "
+        "shedding by the expected wait, widened by how far recent waits ran over their "
+        "estimates, plus the workers' measured service time), **old** = "
         "`--no-adaptive-admission` (fixed "
         f"`--max-in-flight` 64, shed only when the queue wait alone exceeds the deadline). "
         f"Requests: {work['prompt_words']}-word prompts, {work['output_tokens']} output tokens "

@@ -55,6 +55,13 @@ def test_goodput_over_the_drain_counts_to_the_last_answer() -> None:
     assert figures["useful_tokens"] == 14 and figures["wasted_tokens"] == 11
 
 
+def test_admitted_requests_that_ended_without_a_token_are_counted() -> None:
+    expired = Outcome("interactive", 0.0, e2e_s=10.0, finish="FINISH_REASON_DEADLINE")
+    figures = summary([*outcomes(), expired], seconds=2.0, capacity=1.0)
+    # The one that waited out its deadline; the late answer and the cut one had tokens.
+    assert figures["admitted_not_in_time"] == 3 and figures["admitted_without_a_token"] == 1
+
+
 def test_the_timeline_counts_each_request_when_it_ended() -> None:
     samples = Samples(zero=0.0, at_s=[0.5, 10.2], limit=[64, 32], running=[3, 2],
                       waiting=[0, 1], engine_running=[3, 2], engine_waiting=[0, 0])  # fmt: skip
