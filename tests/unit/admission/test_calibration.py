@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.admission.calibration import ServiceCalibration
+from services.admission.calibration import ServiceCalibration, WaitCalibration
 
 
 def test_estimates_stay_as_given_until_enough_requests_finished() -> None:
@@ -44,3 +44,17 @@ def test_settings_are_checked() -> None:
         ServiceCalibration(quantile=0.0)
     with pytest.raises(ValueError):
         ServiceCalibration(window=4, min_samples=5)
+
+
+def test_the_wait_margin_is_the_quantile_of_overruns_and_never_negative() -> None:
+    calibration = WaitCalibration(quantile=0.5, window=4, min_samples=2)
+    calibration.observe(waited_s=1.0, expected_s=3.0)  # 2 s sooner than expected
+    assert calibration.margin_s == 0.0  # too few yet
+    calibration.observe(waited_s=1.0, expected_s=2.0)
+    assert calibration.margin_s == 0.0  # sooner is no reason to promise less
+    for overrun in (4.0, 5.0):
+        calibration.observe(waited_s=1.0 + overrun, expected_s=1.0)
+    # -2, -1, 4 and 5 s: the median of four is the second.
+    assert calibration.margin_s == 0.0
+    calibration.observe(waited_s=7.0, expected_s=1.0)  # the -2 leaves the window of 4
+    assert calibration.margin_s == pytest.approx(4.0)
