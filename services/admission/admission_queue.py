@@ -119,7 +119,10 @@ class AdmissionQueue:
         self.limiter = limiter if limiter is not None else FixedLimit(limits.max_in_flight)
         self.service_aware = service_aware
         self.calibration = ServiceCalibration()
-        self.wait_calibration = WaitCalibration()
+        self.wait_calibration = {p: WaitCalibration() for p in PriorityClass}
+        """Per class: a batch request waits out the interactive ones that keep overtaking
+        it, so its waits run over by more than an interactive request's, whose wait the
+        batch's margin would make look longer than it is."""
         self._clock = clock
         self._running = dict.fromkeys(PriorityClass, 0)
         self._waiting: dict[PriorityClass, deque[_Waiter]] = {p: deque() for p in PriorityClass}
@@ -188,7 +191,7 @@ class AdmissionQueue:
             if isinstance(error, TimeoutError | DeadlineExceeded):
                 waited = self._clock() - arrived
                 if waiter.future.cancelled():  # it timed out unserved (else _dispatch learnt)
-                    self._learn_wait(waiter, waited)
+                    self._learn_wait(priority, waiter, waited)
                 metrics.REQUESTS_SHED.labels(priority.name.lower(), "deadline").inc()
                 raise DeadlineExceeded(
                     f"the deadline passed after {waited:.3f}s in the admission queue"
@@ -289,7 +292,7 @@ class AdmissionQueue:
                 "retry later",
                 retry_after_s=max(wait, MIN_RETRY_S),
             )
-        margin = self.wait_calibration.margin_s if self.service_aware else 0.0
+        margin = self.wait_calibration[priority].margin_s if self.service_aware else 0.0
         refusal = judge(None if deadline is None else deadline - now, wait + margin, service_s)
         if refusal is not None:
             metrics.REQUESTS_SHED.labels(label, refusal.reason).inc()
@@ -308,7 +311,7 @@ class AdmissionQueue:
                 waiter = queue.popleft()
                 if waiter.future.done():
                     continue
-                self._learn_wait(waiter, now - waiter.arrived)
+                self._learn_wait(priority, waiter, now - waiter.arrived)
                 if _too_late(waiter, now):
                     waiter.future.set_exception(
                         DeadlineExceeded("its slot came too late to finish before the deadline")
@@ -318,11 +321,12 @@ class AdmissionQueue:
                 waiter.future.set_result(None)
             self._publish(priority)
 
-    def _learn_wait(self, waiter: _Waiter, waited_s: float) -> None:
+    def _learn_wait(self, priority: PriorityClass, waiter: _Waiter, waited_s: float) -> None:
         """A waiter got its slot, or left the queue unserved when its deadline came: how far
         its wait ran over the estimate it was admitted on."""
-        self.wait_calibration.observe(waited_s, waiter.expected_wait_s)
-        metrics.WAIT_MARGIN.set(self.wait_calibration.margin_s)
+        calibration = self.wait_calibration[priority]
+        calibration.observe(waited_s, waiter.expected_wait_s)
+        metrics.WAIT_MARGIN.labels(priority.name.lower()).set(calibration.margin_s)
 
     def _abandon(self, priority: PriorityClass, waiter: _Waiter) -> None:
         """A waiter gave up (deadline or cancel): drop it, or return a slot it already got."""

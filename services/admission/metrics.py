@@ -41,6 +41,7 @@ SERVICE_CALIBRATION = Gauge(
 WAIT_MARGIN = Gauge(
     "kvmesh:admission_wait_margin_seconds",
     "Seconds added to the expected queue wait: recent waits' overrun of their estimate (p90).",
+    ["priority"],
 )
 REQUESTS_SHED = Counter(
     "kvmesh:requests_shed_total",
