@@ -155,7 +155,7 @@ class Stack:
         child = await self.supervisor.spawn(service)
         await self.supervisor.wait_ready([child])
         self.services.append(service)
-        reply = await self._router_call(
+        reply: router_pb2.WorkerChangeResponse = await self._router_call(
             "AddWorker",
             router_pb2.AddWorkerRequest(
                 tier=self.options.tier_name, role=ROLE_PROTO[role], address=service.address
@@ -170,16 +170,16 @@ class Stack:
         """Returns once the router routes to `address`: its check at AddWorker can fail while
         a newcomer that has just said SERVING still settles in, and until the next check the
         router sends it nothing, though `kvmesh scale` would already have said it was added."""
-        waited = 0.0
-        while not in_rotation(status, address):
-            if waited >= ROTATION_WAIT_S:
-                raise Unavailable(
-                    f"{address} started, but the router has not put it in rotation after "
-                    f"{ROTATION_WAIT_S:.0f}s (`kvmesh status` shows why)"
-                )
-            await asyncio.sleep(ROTATION_POLL_S)
-            waited += ROTATION_POLL_S
-            status = await self._router_call("Status", router_pb2.RouterStatusRequest())
+        try:
+            async with asyncio.timeout(ROTATION_WAIT_S):
+                while not in_rotation(status, address):
+                    await asyncio.sleep(ROTATION_POLL_S)
+                    status = await self._router_call("Status", router_pb2.RouterStatusRequest())
+        except TimeoutError:
+            raise Unavailable(
+                f"{address} started, but the router has not put it in rotation after "
+                f"{ROTATION_WAIT_S:.0f}s (`kvmesh status` shows why)"
+            ) from None
 
     async def drain_worker(self, role: str) -> StackService:
         """Takes the newest worker of `role` out of rotation, then lets it finish and exit."""
