@@ -25,7 +25,9 @@ class EngineConfig:
 
     dtype: str = "auto"
     """Weights, activations and KV: "float32", "bfloat16", "float16", or "auto" (float32 on
-    CPU, which has no fast bf16 here; bfloat16 on CUDA)."""
+    CPU, where the C kernels run; bfloat16 on CUDA). bfloat16 on a CPU with AMX or AVX-512
+    BF16 is an option that changes the greedy tokens: its projections run on oneDNN, the
+    rest on torch's ops (BENCHMARKS.md, "Peers ... in bfloat16")."""
 
     quantization: str = "none"
     """Weight quantization chosen at load time: "none" or "int8" (weight-only, per channel)."""
@@ -101,7 +103,9 @@ class EngineConfig:
     rows, its plain product beyond), or "auto" (the panel kernel where the kernels are built
     for AVX-512 or AVX2, prefetching on Intel CPUs, where it was measured faster, and oneDNN
     from the rows at which the engine measures it faster when it is built (that many and
-    more: layer by layer, linear_crossover.py); else oneDNN where torch has it)."""
+    more: layer by layer, linear_crossover.py); else oneDNN where torch has it). A bfloat16
+    model on the CPU runs every projection, of any number of rows, on oneDNN with "auto" and
+    "onednn" (linear_kernel.PackedProject), on torch's matmul with the others."""
 
     keep_freed_memory: bool = True
     """On the CPU, have the C allocator keep the memory a step frees for the next step instead

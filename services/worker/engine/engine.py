@@ -34,7 +34,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.decode_kernel import choose_decode_kernel
 from services.worker.engine.grammar import GrammarCompiler, make_backend
 from services.worker.engine.kv_cache_manager import KvCacheManager, cdiv
-from services.worker.engine.linear_kernel import choose_linear_kernel
+from services.worker.engine.linear_kernel import choose_bfloat16_project, choose_linear_kernel
 from services.worker.engine.loader import LoadedModel, load_model, torch_dtype
 from services.worker.engine.model_runner import BatchEntry, ModelRunner
 from services.worker.engine.models import StepInterrupted
@@ -89,6 +89,7 @@ class Engine:
                 threads,
                 config.large_batch_linear,
             ),
+            project=choose_bfloat16_project(config.large_batch_linear, loaded.device, loaded.dtype),
         )
         self.layout = self.runner.layout
         self.pool = BlockPool(num_blocks)

@@ -292,6 +292,42 @@ class PackedLinear(LaidOutLinear):
         return y if residual is None else residual.add_(y)
 
 
+class PackedProject:
+    """The CPU's Project for a bfloat16 model: every projection (and lm_head) by oneDNN on
+    its weight reordered once (PackedLinear), which runs AMX or AVX-512 BF16 code where the
+    CPU has them; its norm and SwiGLU by torch's ops. torch's own bf16 matmul repacks the
+    weight on every call: SmolLM2-135M's steps on 2 cores of an Intel Xeon with AMX (family 6
+    model 167), min of 7, side by side: batch-1 decode 0.80x the time, 64-row decode 0.91x,
+    32-row 0.95x, a 512-token prefill 1.0x."""
+
+    def __init__(self) -> None:
+        self.product = PackedLinear()
+
+    def __call__(
+        self,
+        module: nn.Module,
+        x: torch.Tensor,
+        *,
+        norm: RMSNorm | None = None,
+        gated: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if type(module) is not nn.Linear or x.dim() != 2:
+            return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
+        x = projection_input(x, norm, gated)
+        return self.product(module.weight, x, residual, module.bias)
+
+
+def choose_bfloat16_project(
+    large_mode: str, device: torch.device, dtype: torch.dtype
+) -> PackedProject | None:
+    """PackedProject for a bfloat16 model on the CPU where torch has oneDNN and
+    EngineConfig.large_batch_linear leaves the choice to oneDNN ("auto" or "onednn"); None
+    (torch's ops) otherwise."""
+    applies = device.type == "cpu" and dtype == torch.bfloat16 and onednn_available()
+    return PackedProject() if applies and large_mode in ("auto", "onednn") else None
+
+
 class PanelLinear(LaidOutLinear):
     """x W^T by the panel kernel (kernels/panel_linear.c) on W packed once (on first use)
     into panels of output columns."""

@@ -105,7 +105,7 @@ class LoadedModel:
 
 def torch_dtype(name: str, device: str) -> torch.dtype:
     """The torch dtype of an EngineConfig.dtype name, "auto" resolved for the device (float32 on
-    CPU, which has no fast bf16 here; bfloat16 on CUDA)."""
+    CPU, where the C kernels run; bfloat16 on CUDA)."""
     if name != "auto":
         return getattr(torch, name)  # type: ignore[no-any-return]
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

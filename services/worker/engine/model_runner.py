@@ -75,6 +75,7 @@ class ModelRunner:
         prefill_kernel: PrefillKernel | None = None,
         rope_store_kernel: RopeStoreKernel | None = None,
         linear_kernel: SmallBatchLinear | None = None,
+        project: Project | None = None,
         fuse_small_decodes: bool = True,
     ) -> None:
         """decode_kernel: attends the decode rows when given (CPU float32); SDPA otherwise.
@@ -83,6 +84,8 @@ class ModelRunner:
         float32); torch's ops otherwise.
         linear_kernel: runs the projections of steps with few rows when given (CPU float32),
         on the weights it streams moved onto huge pages (linear_kernel.place_weights).
+        project: runs the projections where no linear_kernel is given (a bfloat16 model on
+        the CPU: linear_kernel.PackedProject); torch's ops when neither is.
         fuse_small_decodes: with all three of the decode, RoPE/store and linear kernels, a
         step of only decode rows (up to DecodeLayers.max_rows) runs its layers in one C call
         (decode_layers_kernel.py; the same numbers); with the prefill kernel too, so does a
@@ -100,7 +103,7 @@ class ModelRunner:
         self.decode_kernel = decode_kernel
         self.prefill_kernel = prefill_kernel
         self.rope_store_kernel = rope_store_kernel
-        self.project: Project = linear_kernel or project_with_torch
+        self.project: Project = linear_kernel or project or project_with_torch
         if linear_kernel is not None:
             place_weights(loaded.model)
         self.onednn_from_rows = self._measure_crossover(linear_kernel)
