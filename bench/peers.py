@@ -36,6 +36,11 @@ its own section ("Peers ... (qwen2-random)") and peers-qwen2-random.json/.png.
 torch path: the C kernels are CPU float32 only), transformers there, and the ordinary `vllm`
 package as the peer where it is installed (--skip-vllm where it is not: the table then says
 "not run"); the steps row is CPU-only. Its own section and peers[-MODEL]-cuda.json/.png.
+
+--dtype bfloat16 on the CPU runs kvmesh and vLLM in bfloat16 (AMX or AVX-512 BF16 where the
+CPU has them), and transformers in float32 as the reference their greedy outputs are compared
+with: how far the faster numbers move the tokens. No steps row (it measures the fp32 peak).
+Its own section and peers[-MODEL]-bfloat16.json/.png.
 """
 
 from __future__ import annotations
@@ -103,7 +108,7 @@ LARGE_PRODUCTS = {
 }
 STEP_REPEATS = 7
 KV_CACHE_GIB = 3  # 64 x 640 tokens of fp32 KV is ~1.9 GB
-# --device -> the weights' dtype every system runs in (the usual one there).
+# --device -> the weights' dtype every system runs in by default (the usual one there).
 DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 
 
@@ -280,7 +285,7 @@ def _process_name(pid: int) -> str:
 def offline_child(system: str, model_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Runs in the child: warm-up, then each run's prompts; outputs and timed regions."""
     work = Workload(**spec["workload"])
-    generate = _offline_generator(system, model_dir, work, spec["device"])
+    generate = _offline_generator(system, model_dir, work, spec["device"], spec["dtype"])
     generate(spec["warmup"])
     runs: list[dict[str, Any]] = []
     for index, (prompts, spare) in enumerate(zip(spec["runs"], spec["spares"], strict=True)):
@@ -302,20 +307,26 @@ def offline_child(system: str, model_dir: str, spec: dict[str, Any]) -> dict[str
 
 
 def _offline_generator(
-    system: str, model_dir: str, work: Workload, device: str
+    system: str, model_dir: str, work: Workload, device: str, dtype: str
 ) -> Callable[[list[list[int]]], list[list[int]]]:
     out = work.offline_output
     if system == "kvmesh":
         from services.worker.engine.api import SamplingParams
         from services.worker.engine.llm import LLM
 
-        llm = LLM(model_dir, kv_cache_bytes=KV_CACHE_GIB << 30, max_num_seqs=64, device=device)
+        llm = LLM(
+            model_dir,
+            kv_cache_bytes=KV_CACHE_GIB << 30,
+            max_num_seqs=64,
+            device=device,
+            dtype=dtype,
+        )
         sampling = SamplingParams(max_tokens=out, ignore_eos=True)
         return lambda prompts: [c.token_ids for c in llm.generate(prompts, sampling)]
     if system == "vllm":
         import vllm
 
-        engine = vllm.LLM(model=model_dir, dtype=DTYPES[device], max_model_len=2048, seed=0)
+        engine = vllm.LLM(model=model_dir, dtype=dtype, max_model_len=2048, seed=0)
         params = vllm.SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
 
         def run(prompts: list[list[int]]) -> list[list[int]]:
@@ -325,18 +336,23 @@ def _offline_generator(
 
         return run
     if system == "transformers":
-        return _transformers_generator(model_dir, work, device)
+        return _transformers_generator(model_dir, work, device, reference_dtype(device, dtype))
     raise ValueError(f"unknown offline system {system!r}")
 
 
+def reference_dtype(device: str, dtype: str) -> str:
+    """transformers' dtype: float32 on the CPU (the reference that the others' greedy tokens
+    are compared with, whatever they run in), the run's dtype on a GPU."""
+    return "float32" if device == "cpu" else dtype
+
+
 def _transformers_generator(
-    model_dir: str, work: Workload, device: str
+    model_dir: str, work: Workload, device: str, dtype: str
 ) -> Callable[[list[list[int]]], list[list[int]]]:
     import torch
     from transformers import LlamaForCausalLM
 
-    dtype = getattr(torch, DTYPES[device])
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     torch.nn.Module.to(model, device)
     model.generation_config.eos_token_id = None  # like ignore_eos
 
@@ -589,7 +605,9 @@ class VllmServer:
 
 
 @contextlib.asynccontextmanager
-async def kvmesh_server(model_dir: Path, system: str, device: str) -> AsyncIterator[KvmeshServer]:
+async def kvmesh_server(
+    model_dir: Path, system: str, device: str, dtype: str
+) -> AsyncIterator[KvmeshServer]:
     from bench.mesh import running_stack
 
     mode, engine = STACKS[system]
@@ -602,7 +620,11 @@ async def kvmesh_server(model_dir: Path, system: str, device: str) -> AsyncItera
         port_offset=PORT_OFFSET,
         mode=mode,
         engine=engine,
-        worker_args=(*(VLLM_SERVER_BATCH_ARGS if on_vllm else ()), f"--device={device}"),
+        worker_args=(
+            *(VLLM_SERVER_BATCH_ARGS if on_vllm else ()),
+            f"--device={device}",
+            f"--dtype={dtype}",
+        ),
         env=env,
     ) as services:
         gateway = next(s for s in services if s.name == "gateway").address
@@ -629,14 +651,14 @@ def vllm_environment(device: str = "cpu") -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def vllm_server(model_dir: Path, device: str) -> AsyncIterator[VllmServer]:
+async def vllm_server(model_dir: Path, device: str, dtype: str) -> AsyncIterator[VllmServer]:
     import aiohttp
 
     command = [
         sys.executable,
         *("-m", "vllm.entrypoints.openai.api_server"),
         *("--model", str(model_dir), "--served-model-name", MODEL),
-        *("--dtype", DTYPES[device], "--max-model-len", "2048"),
+        *("--dtype", dtype, "--max-model-len", "2048"),
         *("--host", "127.0.0.1", "--port", str(VLLM_PORT)),
         "--disable-log-stats",
     ]
@@ -773,6 +795,7 @@ async def _server_row(
 class Report:
     model: str = MODEL  # a --model choice
     device: str = "cpu"  # a --device choice
+    dtype: str = "float32"  # what kvmesh and vLLM run in (--dtype, or the device's default)
     machine: dict[str, Any] = field(default_factory=dict)
     workload: dict[str, Any] = field(default_factory=dict)
     offline: dict[str, Any] = field(default_factory=dict)  # system -> runs
@@ -854,20 +877,27 @@ def config_of(model_dir: Path) -> Any:
     return family_for_hf_config(raw).read_config(raw)
 
 
-def heading_of(model: str, device: str) -> str:
+def heading_of(model: str, device: str, dtype: str) -> str:
     heading = HEADING if device == "cpu" else f"## Peers on {device.upper()}: kvmesh vs vLLM"
+    if dtype != DTYPES[device]:
+        heading += f" in {dtype}"
     return heading if model == MODEL else f"{heading} ({model})"
 
 
-def results_name(model: str, device: str) -> str:
+def results_name(model: str, device: str, dtype: str) -> str:
     name = "peers" if model == MODEL else f"peers-{model}"
-    return name if device == "cpu" else f"{name}-{device}"
+    name = name if device == "cpu" else f"{name}-{device}"
+    return name if dtype == DTYPES[device] else f"{name}-{dtype}"
 
 
 async def run(args: argparse.Namespace, console: Console) -> Report:
     work = Workload.quick() if args.quick else Workload()
     report = Report(
-        model=args.model, device=args.device, machine=machine(args.device), workload=asdict(work)
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        machine=machine(args.device),
+        workload=asdict(work),
     )
     with tempfile.TemporaryDirectory(prefix="kvmesh-bench-peers-") as scratch:
         model_dir = Path(scratch) / "model"
@@ -912,7 +942,8 @@ def _phases(args: argparse.Namespace, server_row_names: list[str]) -> list[tuple
             )
         if "serving" in server_row_names and with_vllm and not args.skip_kvmesh_vllm:
             phases.append((f"{KVMESH_ON_VLLM} server", _server_phase(KVMESH_ON_VLLM, ["serving"])))
-    if "steps" in args.rows and args.device == "cpu":  # its peak and floor are the CPU's
+    # Its peak and floor are the CPU's in float32.
+    if "steps" in args.rows and args.device == "cpu" and args.dtype == "float32":
         phases.append(("kvmesh steps vs the machine", _steps_phase))
     return phases
 
@@ -925,6 +956,7 @@ def _offline_phase(system: str) -> Phase:
         runs = 1 if system == "transformers" else work.runs
         spec = {
             "device": report.device,
+            "dtype": report.dtype,
             "workload": asdict(work),
             "warmup": sets[0]["offline"][:8],
             "runs": [s["offline"] for s in sets[1 : 1 + runs]],
@@ -959,9 +991,9 @@ def _server_phase(system: str, rows: list[str]) -> Phase:
         report: Report, model_dir: Path, work: Workload, sets: list[dict[str, Any]]
     ) -> None:
         context: contextlib.AbstractAsyncContextManager[Server] = (
-            vllm_server(model_dir, report.device)
+            vllm_server(model_dir, report.device, report.dtype)
             if system == "vllm"
-            else kvmesh_server(model_dir, system, report.device)
+            else kvmesh_server(model_dir, system, report.device, report.dtype)
         )
         async with context as server:
             results = await server_rows(server, rows, work, sets)
@@ -997,7 +1029,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def agreement(report: Report) -> dict[str, Any]:
-    """kvmesh against every other system, per row, over the runs both made (first runs)."""
+    """kvmesh against every other system, per row, over the runs both made (first runs), and
+    vLLM against transformers offline (in a bfloat16 run: each against the float32 reference)."""
     found: dict[str, Any] = {}
     kv_off = report.offline.get("kvmesh")
     for other in ("vllm", "transformers"):
@@ -1005,6 +1038,10 @@ def agreement(report: Report) -> dict[str, Any]:
             found[f"offline: kvmesh vs {other}"] = compare(
                 kv_off[0]["outputs"], report.offline[other][0]["outputs"]
             )
+    if "vllm" in report.offline and "transformers" in report.offline:
+        found["offline: vllm vs transformers"] = compare(
+            report.offline["vllm"][0]["outputs"], report.offline["transformers"][0]["outputs"]
+        )
     kv_srv = report.servers.get("kvmesh colocated", {})
     for system, rows in report.servers.items():
         if system == "kvmesh colocated":
@@ -1035,7 +1072,7 @@ def table_rows(report: Report) -> list[tuple[str, str, str, str]]:
         t = best(off["transformers"], "tok_s")
         lines.append(
             (
-                "offline, transformers generate() bs=8: tok/s",
+                f"offline, transformers generate() bs=8{_in_dtype(report)}: tok/s",
                 "",
                 f"{t:.1f} (transformers)",
                 f"kvmesh {best(off['kvmesh'], 'tok_s') / t:.2f}x",
@@ -1071,6 +1108,12 @@ def table_rows(report: Report) -> list[tuple[str, str, str, str]]:
             label = f"1,024-token prefix + 32: {label} TTFT ms"
             lines.append(_versus(label, kv["prefix"], vl.get("prefix"), key))
     return lines
+
+
+def _in_dtype(report: Report) -> str:
+    """ " in float32" where transformers ran in another dtype than the others, else ""."""
+    dtype = reference_dtype(report.device, report.dtype)
+    return "" if dtype == report.dtype else f" in {dtype}"
 
 
 def _versus(
@@ -1195,11 +1238,11 @@ def markdown(report: Report, command: str) -> str:
         if report.model == MODEL
         else f"{report.model} (a Qwen2 model of {MODEL}'s shapes, random weights)"
     )
-    name = results_name(report.model, report.device)
+    name = results_name(report.model, report.device, report.dtype)
     lines = [
-        heading_of(report.model, report.device),
+        heading_of(report.model, report.device, report.dtype),
         "",
-        f"`{command}` — {model} in {DTYPES[report.device]} from one Hugging Face folder written "
+        f"`{command}` — {model} in {report.dtype} from one Hugging Face folder written "
         f"by kvmesh's loader, the same prompt token ids for every system, on {_where(m)}; load "
         f"average {m['load_average_start']:.1f} at the start, {m['load_average_end']:.1f} at "
         f"the end. {_vllm_setup(report)}; kvmesh with its defaults (`kvmesh up --mode "
@@ -1339,6 +1382,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="where every system runs, in float32 on the CPU or bfloat16 on the GPU",
     )
     parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        help="what kvmesh and vLLM run in (default: float32 on the CPU, bfloat16 on a GPU); "
+        "transformers stays in float32 on the CPU, the reference for the greedy tokens",
+    )
+    parser.add_argument(
         "--skip-vllm",
         action="store_true",
         help="leave vLLM out where it is not installed (its figures read 'not run')",
@@ -1353,7 +1402,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("child_args", nargs="*", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.dtype = args.dtype or DTYPES[args.device]
+    return args
 
 
 def child(args: argparse.Namespace) -> None:
@@ -1385,13 +1436,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     section = markdown(report, command_line(args))
     console.print(section)
     if not args.no_write:
-        name = results_name(args.model, args.device)
+        name = results_name(args.model, args.device, args.dtype)
         write_results(name, asdict(report))
         plot(report, RESULTS / f"{name}.png")
         write_section(section, BENCHMARKS)
         console.print(
             f"wrote {RESULTS}/{name}.json, {RESULTS}/{name}.png and "
-            f"{heading_of(args.model, args.device)!r} in {BENCHMARKS}"
+            f"{heading_of(args.model, args.device, args.dtype)!r} in {BENCHMARKS}"
         )
     return 0
 
