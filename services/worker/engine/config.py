@@ -60,7 +60,7 @@ class EngineConfig:
     """torch intra-op threads for CPU inference; None leaves torch's default."""
 
     decode_attention: str = "auto"
-    """How decode rows attend: "kernel" (the C paged-attention kernel, CPU float32 only,
+    """How decode rows attend: "kernel" (the C paged-attention kernel, CPU float32 or bfloat16,
     compiled on first use), "sdpa" (gathered blocks + torch SDPA, any device), or "auto"
     (the kernel where it applies and a C compiler is present, else SDPA)."""
 

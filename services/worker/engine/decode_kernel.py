@@ -4,7 +4,9 @@ On CPU, attending decode rows through torch means gathering each row's blocks in
 tensor and running a masked SDPA over it: the context is read twice, written once, and padded.
 The C kernel reads each row's real K/V once, straight through its block table (measured 3-4x
 less time per decode step's attention on 2 cores, 64 rows of 64-640 tokens). kernel_build.py
-compiles and caches it.
+compiles and caches it. A bfloat16 model's cache is read by a build of its own (KV_BFLOAT16),
+which widens each K/V element to float32 as it loads it: its queries and outputs stay float32
+inside the call.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from services.worker.engine.kernel_build import choose_kernel, load_library, pro
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
+# The kernel's build for each KV cache dtype: the macros it is compiled with.
+BUILDS: dict[torch.dtype, tuple[str, ...]] = {torch.float32: (), torch.bfloat16: ("KV_BFLOAT16",)}
 
 
 class DecodeKernel:
@@ -42,8 +46,11 @@ class DecodeKernel:
         block_tables [rows, max_blocks] int64; context_lens [rows] int64 -> [rows, heads, dim].
         window > 0: each row attends to its last `window` tokens only (a sliding window).
 
-        The caller guarantees the shapes (the runner builds them); ctypes cannot check."""
-        q = q.contiguous()
+        The caller guarantees the shapes and that the caches are of the dtype the kernel was
+        built for (the runner builds them); ctypes cannot check. q may be of the caches' dtype:
+        it is computed in float32, and the output comes back in q's dtype."""
+        dtype = q.dtype
+        q = q.float().contiguous()
         out = torch.empty_like(q)
         rows, heads, head_dim = q.shape
         with profiled("kvmesh::paged_decode_attention"):
@@ -66,18 +73,26 @@ class DecodeKernel:
             )
         if status != 0:
             raise MemoryError("the decode-attention kernel could not allocate its scratch memory")
-        return out
+        return out.to(dtype)
 
 
 def choose_decode_kernel(
     mode: str, device: torch.device, dtype: torch.dtype, num_threads: int
 ) -> DecodeKernel | None:
-    """The kernel for EngineConfig.decode_attention ("auto" | "kernel" | "sdpa"), or None for
-    the SDPA path (see kernel_build.choose_kernel)."""
-    return choose_kernel(mode, "sdpa", device, dtype, lambda: load_decode_kernel(num_threads))
+    """The kernel for EngineConfig.decode_attention ("auto" | "kernel" | "sdpa") and a cache of
+    `dtype` (float32 or bfloat16), or None for the SDPA path (see kernel_build.choose_kernel)."""
+    return choose_kernel(
+        mode,
+        "sdpa",
+        device,
+        dtype,
+        lambda: load_decode_kernel(num_threads, dtype),
+        dtypes=tuple(BUILDS),
+    )
 
 
 @functools.cache
-def load_decode_kernel(num_threads: int) -> DecodeKernel:
-    """The kernel, compiled on first use (KernelUnavailable when it cannot be)."""
-    return DecodeKernel(load_library("paged_decode_attention"), num_threads)
+def load_decode_kernel(num_threads: int, dtype: torch.dtype = torch.float32) -> DecodeKernel:
+    """The kernel for a cache of `dtype`, compiled on first use (KernelUnavailable when it
+    cannot be)."""
+    return DecodeKernel(load_library("paged_decode_attention", BUILDS[dtype]), num_threads)

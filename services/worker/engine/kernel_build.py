@@ -50,9 +50,12 @@ class KernelUnavailable(RuntimeError):
     """A kernel cannot be built or loaded here (no C compiler, or it failed)."""
 
 
-def kernel_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    """The kernels are written for float32 tensors in CPU memory."""
-    return device.type == "cpu" and dtype == torch.float32
+def kernel_applies(
+    device: torch.device, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+) -> bool:
+    """The kernels are written for tensors in CPU memory, of float32 (or of `dtypes`, the ones a
+    kernel is built for)."""
+    return device.type == "cpu" and dtype in dtypes
 
 
 def choose_kernel(
@@ -61,16 +64,19 @@ def choose_kernel(
     device: torch.device,
     dtype: torch.dtype,
     load: Callable[[], Kernel],
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
 ) -> Kernel | None:
-    """The kernel for an EngineConfig mode, or None for torch's path (named `fallback`).
+    """The kernel for an EngineConfig mode, or None for torch's path (named `fallback`);
+    `dtypes`: the model dtypes the kernel is built for.
 
     "kernel" insists (ValueError / KernelUnavailable when it cannot run); "auto" falls back
     with a warning when the kernel cannot be built; `fallback` means torch's path."""
     if mode == fallback:
         return None
-    if not kernel_applies(device, dtype):
+    if not kernel_applies(device, dtype, dtypes):
         if mode == "kernel":
-            raise ValueError(f"the kernels run on CPU float32 only, not {device} {dtype}")
+            names = " and ".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"this kernel runs on CPU {names} only, not {device} {dtype}")
         return None
     try:
         return load()
@@ -90,14 +96,15 @@ def profiled(name: str) -> contextlib.AbstractContextManager[object]:
     return contextlib.nullcontext()
 
 
-def load_library(name: str) -> ctypes.CDLL:
+def load_library(name: str, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """kernels/<name>.c as a loaded library, compiled on first use (KernelUnavailable when it
     cannot be)."""
-    return ctypes.CDLL(str(build(name)))
+    return ctypes.CDLL(str(build(name, defines)))
 
 
-def build(name: str) -> Path:
-    """The cached shared library of kernels/<name>.c, compiled if not cached yet."""
+def build(name: str, defines: tuple[str, ...] = ()) -> Path:
+    """The cached shared library of kernels/<name>.c, compiled if not cached yet; `defines`
+    (macro names, each passed as -D) build a variant of it, a library of its own."""
     source = KERNELS_DIR / f"{name}.c"
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
@@ -109,12 +116,13 @@ def build(name: str) -> Path:
     for part in (
         source.read_bytes(),
         *headers,
-        " ".join(CFLAGS).encode(),
+        " ".join((*CFLAGS, *defines)).encode(),
         version.encode(),
         _cpu_id(),
     ):
         key.update(part)
-    target = _cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
+    variant = "".join(f"-{define.lower()}" for define in defines)
+    target = _cache_dir() / f"{name}{variant}-{key.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         logger.info(
@@ -126,7 +134,8 @@ def build(name: str) -> Path:
         # half-written library.
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            _run([compiler, *CFLAGS, str(source), "-o", str(built), "-lm"])
+            flags = [*CFLAGS, *(f"-D{define}" for define in defines)]
+            _run([compiler, *flags, str(source), "-o", str(built), "-lm"])
             built.replace(target)
         logger.info("compiled the %s kernel into %s", name, target)
     return target

@@ -78,7 +78,8 @@ class ModelRunner:
         project: Project | None = None,
         fuse_small_decodes: bool = True,
     ) -> None:
-        """decode_kernel: attends the decode rows when given (CPU float32); SDPA otherwise.
+        """decode_kernel: attends the decode rows when given (CPU float32 or bfloat16); SDPA
+        otherwise.
         prefill_kernel: attends each prefill chunk when given (CPU float32); SDPA otherwise.
         rope_store_kernel: rotates each layer's Q/K and stores its K/V when given (CPU
         float32); torch's ops otherwise.

@@ -53,6 +53,41 @@ def test_kernel_matches_plain_attention(
     )
 
 
+@pytest.mark.parametrize("lone", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (5, 1, 40)])
+def test_bfloat16_build_is_the_float32_one_on_the_widened_caches(
+    threads: int, heads: int, kv_heads: int, head_dim: int, lone: bool
+) -> None:
+    """A bfloat16 cache read by its own build: bit for bit the float32 build's output on the
+    same caches widened to float32 beforehand (then rounded to q's bfloat16), so a key or value
+    misread, or a block missed, shows; and close to plain attention."""
+    generator = torch.Generator().manual_seed(heads + threads)
+    keys = torch.randn(40, BLOCK_SIZE, kv_heads, head_dim, generator=generator).bfloat16()
+    values = torch.randn(40, BLOCK_SIZE, kv_heads, head_dim, generator=generator).bfloat16()
+    contexts = [230] if lone else [1, 17, 100, 5, 230]
+    order = torch.randperm(40, generator=generator).tolist()
+    tables, used = [], 0
+    for context in contexts:
+        blocks = math.ceil(context / BLOCK_SIZE)
+        tables.append(order[used : used + blocks])
+        used += blocks
+    padded = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables])
+    q = torch.randn(len(contexts), heads, head_dim, generator=generator).bfloat16()
+
+    got = load_decode_kernel(threads, torch.bfloat16)(
+        q, keys, values, padded, torch.tensor(contexts)
+    )
+    widened = load_decode_kernel(threads)(
+        q.float(), keys.float(), values.float(), padded, torch.tensor(contexts)
+    )
+
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, widened.bfloat16())
+    expected = reference(q.float(), keys.float(), values.float(), tables, contexts)
+    torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=1e-2)
+
+
 def test_kernel_takes_a_non_contiguous_query() -> None:
     keys = torch.randn(4, BLOCK_SIZE, 2, 8)
     values = torch.randn(4, BLOCK_SIZE, 2, 8)

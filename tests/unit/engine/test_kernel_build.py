@@ -47,26 +47,34 @@ def test_every_kernel_source_is_built() -> None:
 
 
 @pytest.mark.parametrize(
-    ("choose", "load", "fallback"),
+    ("choose", "load", "fallback", "dtypes"),
     [
-        (choose_decode_kernel, load_decode_kernel, "sdpa"),
-        (choose_prefill_kernel, load_prefill_kernel, "sdpa"),
-        (choose_rope_store_kernel, load_rope_store_kernel, "torch"),
+        (
+            choose_decode_kernel,
+            lambda threads, dtype=torch.float32: load_decode_kernel(threads, dtype),
+            "sdpa",
+            "float32 and bfloat16",
+        ),
+        (choose_prefill_kernel, load_prefill_kernel, "sdpa", "float32"),
+        (choose_rope_store_kernel, load_rope_store_kernel, "torch", "float32"),
         (
             choose_linear_kernel,
             lambda threads: load_linear_kernel(threads, "auto"),
             "torch",
+            "float32",
         ),
     ],
 )
 def test_choice_follows_the_mode_and_the_tensors(
-    choose: Callable[..., object], load: Callable[[int], object], fallback: str
+    choose: Callable[..., object], load: Callable[..., object], fallback: str, dtypes: str
 ) -> None:
     assert choose(fallback, CPU, torch.float32, 1) is None
     assert choose("auto", CPU, torch.float32, 1) is load(1)
-    assert choose("auto", CPU, torch.bfloat16, 1) is None
+    # The decode kernel reads a bfloat16 model's cache with a build of its own.
+    bfloat16 = choose("auto", CPU, torch.bfloat16, 1)
+    assert bfloat16 is (load(1, torch.bfloat16) if "bfloat16" in dtypes else None)
     assert choose("auto", torch.device("cuda"), torch.float32, 1) is None
-    with pytest.raises(ValueError, match="CPU float32 only"):
+    with pytest.raises(ValueError, match=f"CPU {dtypes} only"):
         choose("kernel", CPU, torch.float16, 1)
 
 

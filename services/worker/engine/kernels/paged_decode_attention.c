@@ -26,6 +26,12 @@
  * Query head h reads KV head h / (heads / kv_heads) (grouped-query attention). With window > 0
  * (a sliding attention window) a row attends to its last `window` tokens only, its own
  * included; the blocks before them are never read.
+ *
+ * Built with -DKV_BFLOAT16 (a library of its own, kernel_build.build's defines), the caches hold
+ * bfloat16 (a bfloat16 model's): each K/V element is widened to the float32 it stands for as it
+ * is loaded (16 bits of zeros after it), and everything after that is this same float32 code,
+ * so its result is bit for bit the float32 build's on the caches widened beforehand. That
+ * reads half the bytes: a decode step's attention streams its context, and is bound by it.
  */
 #include <float.h>
 #include <math.h>
@@ -63,6 +69,35 @@ static inline vec load(const float *p) {
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
+#if defined(KV_BFLOAT16)
+typedef uint16_t kv_t;
+typedef uint16_t kv_lanes __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t wide_lanes __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+/* LANES cache elements, each widened to its float32 (a bfloat16 is a float32's top half). */
+static inline vec load_kv(const kv_t *p) {
+    kv_lanes narrow;
+    memcpy(&narrow, p, sizeof narrow);
+    const wide_lanes wide = __builtin_convertvector(narrow, wide_lanes) << 16;
+    vec v;
+    memcpy(&v, &wide, sizeof v);
+    return v;
+}
+
+static inline float kv_value(kv_t x) {
+    const uint32_t wide = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &wide, sizeof f);
+    return f;
+}
+#else
+typedef float kv_t;
+
+static inline vec load_kv(const kv_t *p) { return load(p); }
+
+static inline float kv_value(kv_t x) { return x; }
+#endif
+
 /* One level of lane_sums' tree: lane l of the result adds two lanes of a or b that hold parts
  * of the same sum (lo picks the first, the one `unit` lanes after it is the second). */
 static inline vec fold(vec a, vec b, lane_index lo, int unit) {
@@ -93,14 +128,14 @@ static inline vec lane_sums(vec v[LANES]) {
 }
 
 /* The vector part of q . k (head_dim rounded down to whole vectors), lanes not yet summed. */
-static inline vec partial_dot(const float *q, const float *k, int64_t vectors) {
+static inline vec partial_dot(const float *q, const kv_t *k, int64_t vectors) {
     vec s0 = {0}, s1 = {0};
     int64_t c = 0;
     for (; c + 2 <= vectors; c += 2) {
-        s0 += load(q + c * LANES) * load(k + c * LANES);
-        s1 += load(q + (c + 1) * LANES) * load(k + (c + 1) * LANES);
+        s0 += load(q + c * LANES) * load_kv(k + c * LANES);
+        s1 += load(q + (c + 1) * LANES) * load_kv(k + (c + 1) * LANES);
     }
-    if (c < vectors) s0 += load(q + c * LANES) * load(k + c * LANES);
+    if (c < vectors) s0 += load(q + c * LANES) * load_kv(k + c * LANES);
     return s0 + s1;
 }
 
@@ -147,15 +182,15 @@ typedef struct {
 
 /* The row's block after the one holding token `start` in `cache` (keys or values), or NULL
  * when that block is the row's last. */
-static inline const float *next_block(const Row *row, const float *cache, int64_t start) {
+static inline const kv_t *next_block(const Row *row, const kv_t *cache, int64_t start) {
     const int64_t next = start / row->block_size + 1;
     if (next * row->block_size >= row->context) return NULL;
     return cache + row->table[next] * row->block_size * row->token_stride;
 }
 
-/* The LANES lane-partial dot products of q with `count` keys `stride` floats apart (zero
+/* The LANES lane-partial dot products of q with `count` keys `stride` elements apart (zero
  * vectors past count). */
-static inline __attribute__((always_inline)) void tile_dots(const float *q, const float *k,
+static inline __attribute__((always_inline)) void tile_dots(const float *q, const kv_t *k,
                                                             int64_t stride, int64_t count,
                                                             int64_t vectors, vec partial[LANES]) {
     if (count == LANES) /* a whole tile (all but a row's first and last): no test per key */
@@ -174,30 +209,30 @@ static inline __attribute__((always_inline)) void tile_dots(const float *q, cons
  * AMD EPYC Zen 5: 14.8 vs 16.0 ms; a lone stream of blocks read back to back ran at 31 GB/s
  * where two interleaved ran at 42). */
 static inline __attribute__((always_inline)) void row_scores_of(const Row *row, const float *q,
-                                                                const float *key_cache,
-                                                                const float *value_cache,
+                                                                const kv_t *key_cache,
+                                                                const kv_t *value_cache,
                                                                 float scale, float *scores,
                                                                 int64_t vectors) {
     const int64_t n = row->context - row->first, dim = row->head_dim, tail = vectors * LANES;
     const int64_t bs = row->block_size, block_floats = bs * row->token_stride;
-    const int64_t block_bytes = block_floats * (int64_t)sizeof(float);
+    const int64_t block_bytes = block_floats * (int64_t)sizeof(kv_t);
     float sums[LANES];
     for (int64_t start = row->first - row->first % bs; start < row->context; start += bs) {
         const int64_t lo = start < row->first ? row->first - start : 0;
         const int64_t hi = row->context - start < bs ? row->context - start : bs;
-        const float *block = key_cache + row->table[start / bs] * block_floats;
-        const float *values = value_cache + row->table[start / bs] * block_floats;
-        const float *next = next_block(row, key_cache, start);
+        const kv_t *block = key_cache + row->table[start / bs] * block_floats;
+        const kv_t *values = value_cache + row->table[start / bs] * block_floats;
+        const kv_t *next = next_block(row, key_cache, start);
         const int64_t parts = (hi - lo + LANES - 1) / LANES * row->heads;
         int64_t part = 0;
         for (int64_t i = lo; i < hi; i += LANES) {
             const int64_t count = hi - i < LANES ? hi - i : LANES;
-            const float *keys = block + i * row->token_stride;
+            const kv_t *keys = block + i * row->token_stride;
             for (int64_t h = 0; h < row->heads; h++) {
                 if (next != NULL) prefetch_slice(next, block_bytes, part, parts, INTO);
                 prefetch_slice(values, block_bytes, part++, parts, INTO);
                 const float *qh = q + h * dim;
-                const float *kh = keys + ((row->head0 + h) / row->group) * dim;
+                const kv_t *kh = keys + ((row->head0 + h) / row->group) * dim;
                 vec partial[LANES];
                 tile_dots(qh, kh, row->token_stride, count, vectors, partial);
                 const vec dots = lane_sums(partial) * scale;
@@ -209,7 +244,8 @@ static inline __attribute__((always_inline)) void row_scores_of(const Row *row, 
                 store(sums, dots);
                 for (int64_t j = 0; j < count; j++) {
                     float sum = 0.f;
-                    for (int64_t d = tail; d < dim; d++) sum += qh[d] * kh[j * row->token_stride + d];
+                    for (int64_t d = tail; d < dim; d++)
+                        sum += qh[d] * kv_value(kh[j * row->token_stride + d]);
                     out[j] = sums[j] + sum * scale;
                 }
             }
@@ -217,8 +253,8 @@ static inline __attribute__((always_inline)) void row_scores_of(const Row *row, 
     }
 }
 
-static void row_scores(const Row *row, const float *q, const float *key_cache,
-                       const float *value_cache, float scale, float *scores) {
+static void row_scores(const Row *row, const float *q, const kv_t *key_cache,
+                       const kv_t *value_cache, float scale, float *scores) {
     /* The head sizes of the models served (64, 128) unrolled; others through the loop. */
     switch (row->head_dim / LANES) {
     case 4: row_scores_of(row, q, key_cache, value_cache, scale, scores, 4); break;
@@ -233,7 +269,7 @@ static void row_scores(const Row *row, const float *q, const float *key_cache,
  * each loaded vector of V serves every head of the tile, the sums stay in registers over
  * the block. `tile` is a constant where row_values calls it, so no lane of the tile idles. */
 static inline __attribute__((always_inline)) void value_tile(const float *const p[VALUE_HEADS],
-                                                             const float *values, int64_t stride,
+                                                             const kv_t *values, int64_t stride,
                                                              int64_t lo, int64_t hi, float *out,
                                                              int64_t dim, int tile) {
     vec sum[VALUE_HEADS][VALUE_VECTORS];
@@ -241,7 +277,7 @@ static inline __attribute__((always_inline)) void value_tile(const float *const 
         for (int c = 0; c < VALUE_VECTORS; c++) sum[h][c] = load(out + h * dim + c * LANES);
     for (int64_t i = lo; i < hi; i++) {
         vec v[VALUE_VECTORS];
-        for (int c = 0; c < VALUE_VECTORS; c++) v[c] = load(values + i * stride + c * LANES);
+        for (int c = 0; c < VALUE_VECTORS; c++) v[c] = load_kv(values + i * stride + c * LANES);
         for (int h = 0; h < tile; h++) {
             const float weight = p[h][i];
             for (int c = 0; c < VALUE_VECTORS; c++) sum[h][c] += weight * v[c];
@@ -252,7 +288,7 @@ static inline __attribute__((always_inline)) void value_tile(const float *const 
 }
 
 /* out_h = sum_t probs[h * n + t - first] * v_t for every head h (t, n as in row_scores). */
-static void row_values(const Row *row, const float *probs, const float *value_cache,
+static void row_values(const Row *row, const float *probs, const kv_t *value_cache,
                        float *out) {
     const int64_t n = row->context - row->first, dim = row->head_dim;
     const int64_t bs = row->block_size, stride = row->token_stride, group = row->group;
@@ -261,8 +297,8 @@ static void row_values(const Row *row, const float *probs, const float *value_ca
     for (int64_t start = row->first - row->first % bs; start < row->context; start += bs) {
         const int64_t lo = start < row->first ? row->first - start : 0;
         const int64_t hi = row->context - start < bs ? row->context - start : bs;
-        const float *block = value_cache + row->table[start / bs] * bs * stride;
-        const float *next = next_block(row, value_cache, start);
+        const kv_t *block = value_cache + row->table[start / bs] * bs * stride;
+        const kv_t *next = next_block(row, value_cache, start);
         const int64_t parts = row->heads / group * ((group + VALUE_HEADS - 1) / VALUE_HEADS);
         int64_t part = 0;
         /* A row's heads come in whole groups (work items split rows at KV heads); up to
@@ -271,9 +307,9 @@ static void row_values(const Row *row, const float *probs, const float *value_ca
         for (int64_t h0 = 0; h0 < row->heads; h0 += tile) {
             const int64_t group_end = (h0 / group + 1) * group;
             tile = group_end - h0 < VALUE_HEADS ? group_end - h0 : VALUE_HEADS;
-            const float *values = block + ((row->head0 + h0) / group) * dim;
+            const kv_t *values = block + ((row->head0 + h0) / group) * dim;
             if (next != NULL)
-                prefetch_slice(next, bs * stride * sizeof(float), part++, parts, INTO);
+                prefetch_slice(next, bs * stride * sizeof(kv_t), part++, parts, INTO);
             const float *p[VALUE_HEADS];
             for (int h = 0; h < VALUE_HEADS; h++)
                 p[h] = probs + (h0 + (h < tile ? h : 0)) * n + start - row->first;
@@ -292,7 +328,8 @@ static void row_values(const Row *row, const float *probs, const float *value_ca
             for (int64_t h = 0; h < tile; h++)
                 for (int64_t e = whole; e < dim; e++) {
                     float sum = tile_out[h * dim + e];
-                    for (int64_t i = lo; i < hi; i++) sum += p[h][i] * values[i * stride + e];
+                    for (int64_t i = lo; i < hi; i++)
+                        sum += p[h][i] * kv_value(values[i * stride + e]);
                     tile_out[h * dim + e] = sum;
                 }
         }
@@ -300,7 +337,7 @@ static void row_values(const Row *row, const float *probs, const float *value_ca
 }
 
 /* Returns 0, or -1 when a row's scratch memory could not be allocated. */
-int paged_decode_attention(const float *q, const float *key_cache, const float *value_cache,
+int paged_decode_attention(const float *q, const kv_t *key_cache, const kv_t *value_cache,
                            const int64_t *block_tables, const int64_t *context_lens, float *out,
                            int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            int64_t block_size, int64_t max_blocks, int64_t window, float scale,
