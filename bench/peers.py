@@ -1310,12 +1310,16 @@ def _vllm_setup(report: Report) -> str:
         return "vLLM not run (--skip-vllm: not installed where this ran)"
     if report.device != "cpu":
         return f"vLLM {_vllm_version()} (the `vllm` package with its defaults)"
-    return (
+    setup = (
         f"vLLM {_vllm_version()} (compiled by inductor, VLLM_CPU_OMP_THREADS_BIND over every "
-        "core, VLLM_CPU_KVCACHE_SPACE set, tcmalloc preloaded where installed); `kvmesh up "
-        "--engine vllm` is the same mesh on vLLM's engine (compiled, threads on every core, "
-        "vLLM's environment and its server's batch limits, --max-num-batched-tokens 2048 "
-        "--max-num-seqs 128)"
+        "core, VLLM_CPU_KVCACHE_SPACE set, tcmalloc preloaded where installed)"
+    )
+    if KVMESH_ON_VLLM not in report.servers:
+        return setup
+    return (
+        f"{setup}; `kvmesh up --engine vllm` is the same mesh on vLLM's engine (compiled, "
+        "threads on every core, vLLM's environment and its server's batch limits, "
+        "--max-num-batched-tokens 2048 --max-num-seqs 128)"
     )
 
 
