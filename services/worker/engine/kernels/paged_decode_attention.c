@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bfloat16.h"
 #include "exp_approx.h"
 #include "prefetch_slice.h"
 
@@ -84,12 +85,7 @@ static inline vec load_kv(const kv_t *p) {
     return v;
 }
 
-static inline float kv_value(kv_t x) {
-    const uint32_t wide = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &wide, sizeof f);
-    return f;
-}
+static inline float kv_value(kv_t x) { return bf16_to_float(x); }
 #else
 typedef float kv_t;
 

@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bfloat16.h"
 #include "exp_approx.h"
 #include "in_register.h"
 #include "prefetch_slice.h"
@@ -81,14 +82,6 @@ static inline float sumv(vec v) {
     float s = 0.f;
     for (int i = 0; i < LANES; i++) s += v[i];
     return s;
-}
-
-/* A bfloat16 (the int8 scales' dtype) as a float: its bits are a float's upper half. */
-static inline float bf16_to_float(uint16_t bits) {
-    const uint32_t wide = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &wide, sizeof f);
-    return f;
 }
 
 enum { WEIGHT_ROWS = 4 };

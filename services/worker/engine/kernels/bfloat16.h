@@ -1,0 +1,16 @@
+/* bfloat16 values as the kernels read them (included by the kernels' .c files; kernel_build.py
+ * keys its cache on the headers too). */
+#ifndef KVMESH_BFLOAT16_H
+#define KVMESH_BFLOAT16_H
+#include <stdint.h>
+#include <string.h>
+
+/* A bfloat16 as a float: its bits are a float's upper half. */
+static inline float bf16_to_float(uint16_t bits) {
+    const uint32_t wide = (uint32_t)bits << 16;
+    float f;
+    memcpy(&f, &wide, sizeof f);
+    return f;
+}
+
+#endif
