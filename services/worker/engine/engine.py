@@ -89,7 +89,13 @@ class Engine:
                 threads,
                 config.large_batch_linear,
             ),
-            project=choose_bfloat16_project(config.large_batch_linear, loaded.device, loaded.dtype),
+            project=choose_bfloat16_project(
+                config.large_batch_linear,
+                config.small_batch_linear,
+                loaded.device,
+                loaded.dtype,
+                threads,
+            ),
         )
         self.layout = self.runner.layout
         self.pool = BlockPool(num_blocks)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -29,10 +30,17 @@ import torch
 from torch import nn
 
 from services.worker.engine.huge_pages import huge_page_bytes
-from services.worker.engine.kernel_build import choose_kernel, cpu_vendor, load_library
+from services.worker.engine.kernel_build import (
+    KernelUnavailable,
+    choose_kernel,
+    cpu_vendor,
+    load_library,
+)
 from services.worker.engine.linear_crossover import Crossover
 from services.worker.engine.models.llama import RMSNorm, project_with_torch, projection_input
 from services.worker.engine.quant import Int8Linear
+
+logger = logging.getLogger(__name__)
 
 # Models whose streamed weights already live in a huge-page buffer (place_weights).
 _PLACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -295,13 +303,23 @@ class PackedLinear(LaidOutLinear):
 class PackedProject:
     """The CPU's Project for a bfloat16 model: every projection (and lm_head) by oneDNN on
     its weight reordered once (PackedLinear), which runs AMX or AVX-512 BF16 code where the
-    CPU has them; its norm and SwiGLU by torch's ops. torch's own bf16 matmul repacks the
-    weight on every call: SmolLM2-135M's steps on 2 cores of an Intel Xeon with AMX (family 6
-    model 167), min of 7, side by side: batch-1 decode 0.80x the time, 64-row decode 0.91x,
-    32-row 0.95x, a 512-token prefill 1.0x."""
+    CPU has them. torch's own bf16 matmul repacks the weight on every call: SmolLM2-135M's
+    steps on 2 cores of an Intel Xeon with AMX (family 6 model 167), min of 7, side by side:
+    batch-1 decode 0.80x the time, 64-row decode 0.91x, 32-row 0.95x, a 512-token prefill
+    1.0x. Its norm or SwiGLU runs in one pass of the small-batch kernel's library where it is
+    given (bfloat16_projection_input), else as torch's ops."""
 
-    def __init__(self) -> None:
+    def __init__(self, library: ctypes.CDLL | None = None, num_threads: int = 1) -> None:
         self.product = PackedLinear()
+        self.num_threads = num_threads
+        self.input_function = None if library is None else library.bfloat16_projection_input
+        if self.input_function is not None:
+            self.input_function.restype = ctypes.c_int
+            self.input_function.argtypes = [
+                *(_POINTER, _INT, _INT),  # x, rows, x row stride
+                *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
+                *(_INT, _POINTER, ctypes.c_int),  # width of f(x), out, threads
+            ]
 
     def __call__(
         self,
@@ -314,18 +332,58 @@ class PackedProject:
     ) -> torch.Tensor:
         if type(module) is not nn.Linear or x.dim() != 2:
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
-        x = projection_input(x, norm, gated)
+        x = self.projection_input(x, norm, gated)
         return self.product(module.weight, x, residual, module.bias)
+
+    def projection_input(self, x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
+        """f(x) of a Project: in one pass of the library for bfloat16 rows, else torch's ops."""
+        fused = self.input_function is not None and x.dtype == torch.bfloat16
+        if norm is not None:
+            fused = fused and norm.weight.dtype == torch.bfloat16
+        if not fused or (norm is None and not gated):
+            return projection_input(x, norm, gated)
+        if norm is not None and gated:
+            raise ValueError("a projection is normed or gated, not both")
+        assert self.input_function is not None
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        width = x.shape[1] // 2 if gated else x.shape[1]
+        out = x.new_empty(x.shape[0], width)
+        status = self.input_function(
+            x.data_ptr(),
+            x.shape[0],
+            x.stride(0),
+            None if norm is None else norm.weight.data_ptr(),
+            0.0 if norm is None else norm.eps,
+            gated,
+            width,
+            out.data_ptr(),
+            self.num_threads,
+        )
+        if status != 0:
+            raise MemoryError("the bfloat16 projection input could not allocate its scratch rows")
+        return out
 
 
 def choose_bfloat16_project(
-    large_mode: str, device: torch.device, dtype: torch.dtype
+    large_mode: str, small_mode: str, device: torch.device, dtype: torch.dtype, num_threads: int
 ) -> PackedProject | None:
     """PackedProject for a bfloat16 model on the CPU where torch has oneDNN and
-    EngineConfig.large_batch_linear leaves the choice to oneDNN ("auto" or "onednn"); None
-    (torch's ops) otherwise."""
+    EngineConfig.large_batch_linear leaves the choice to oneDNN ("auto" or "onednn"), its norm
+    and SwiGLU in the small-batch kernel's library unless EngineConfig.small_batch_linear is
+    "torch" or the library cannot be built; None (torch's ops) otherwise."""
     applies = device.type == "cpu" and dtype == torch.bfloat16 and onednn_available()
-    return PackedProject() if applies and large_mode in ("auto", "onednn") else None
+    if not applies or large_mode not in ("auto", "onednn"):
+        return None
+    library = None
+    if small_mode != "torch":
+        try:
+            library = load_library("small_batch_linear")
+        except KernelUnavailable as exc:
+            if small_mode == "kernel":
+                raise
+            logger.warning("bfloat16 norms and SwiGLU fall back to torch: %s", exc)
+    return PackedProject(library, num_threads)
 
 
 class PanelLinear(LaidOutLinear):

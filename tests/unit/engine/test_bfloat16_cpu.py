@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from services.worker.engine.api import FinishReason, SamplingParams
+from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import (
     PackedProject,
     choose_bfloat16_project,
@@ -19,10 +21,10 @@ from services.worker.engine.linear_kernel import (
 )
 from services.worker.engine.loader import load_model
 from services.worker.engine.model_runner import BatchEntry
-from services.worker.engine.models.llama import project_with_torch
+from services.worker.engine.models.llama import project_with_torch, projection_input
 from tests.unit.engine.greedy import transformers_model
 from tests.unit.engine.test_engine import drive, make_engine, staggered
-from tests.unit.engine.test_linear_kernel import FusedCall, linear, reference
+from tests.unit.engine.test_linear_kernel import FusedCall, linear, reference, rms_norm
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 CPU = torch.device("cpu")
@@ -48,8 +50,15 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def test_only_a_bfloat16_model_left_to_onednn_projects_on_it(
     mode: str, dtype: torch.dtype, chosen: bool
 ) -> None:
-    project = choose_bfloat16_project(mode, CPU, dtype)
+    project = choose_bfloat16_project(mode, "auto", CPU, dtype, 1)
     assert isinstance(project, PackedProject) if chosen else project is None
+    if isinstance(project, PackedProject):
+        assert project.input_function is not None  # the small-batch kernel's library
+
+
+def test_small_batch_linear_torch_keeps_the_norms_in_torch() -> None:
+    project = choose_bfloat16_project("auto", "torch", CPU, torch.bfloat16, 1)
+    assert project is not None and project.input_function is None
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 512])
@@ -68,13 +77,44 @@ def test_each_projection_matches_its_definition_within_bfloat16_rounding(
         call.norm = call.norm.to(torch.bfloat16)
     if call.residual is not None:
         call.residual = call.residual.to(torch.bfloat16)
-    project = PackedProject()
+    project = PackedProject(load_library("small_batch_linear"), 2)
     got = call.run(project, module)
     assert got.dtype == torch.bfloat16
     assert relative_error(got, call.expected(module)) < 0.01
     # torch's own bfloat16 path agrees as closely.
     assert relative_error(got, call.run(project_with_torch, module)) < 0.01
     assert project.product.num_copies == 1  # the weight laid out once
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fused", ["norm", "gated"])
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_the_norm_and_swiglu_in_one_pass_round_as_torch_does(
+    rows: int, fused: str, threads: int
+) -> None:
+    """The library's bfloat16 norm and SwiGLU against the same in float32 rounded once: at
+    most one bfloat16 step apart (their sums run in another order, and exp_approx is within an
+    ulp of expf); torch's own ops land as close. Strided rows (a view of a wider tensor) too."""
+    generator = torch.Generator().manual_seed(rows)
+    ins = 576
+    wide = torch.randn(rows, 2 * ins + 8, generator=generator).bfloat16()
+    x = wide[:, : 2 * ins] if fused == "gated" else wide[:, :ins]
+    norm = rms_norm(ins, generator).to(torch.bfloat16) if fused == "norm" else None
+    project = PackedProject(load_library("small_batch_linear"), threads)
+    got = project.projection_input(x, norm, fused == "gated")
+    wide32 = x.float()
+    if norm is not None:
+        expected = F.rms_norm(wide32, (ins,), norm.weight.float(), norm.eps)
+    else:
+        gate, up = wide32.chunk(2, dim=-1)
+        expected = F.silu(gate) * up
+    steps = (got.float() - expected.bfloat16().float()).abs()
+    ulp = expected.abs().clamp(min=1e-30) * 2.0**-7
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, ins)
+    assert bool((steps <= ulp).all())
+    assert bool(
+        (projection_input(x, norm, fused == "gated").float() - got.float()).abs().le(2 * ulp).all()
+    )
 
 
 def test_other_modules_and_shapes_go_to_torch() -> None:

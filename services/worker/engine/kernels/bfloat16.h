@@ -13,4 +13,13 @@ static inline float bf16_to_float(uint16_t bits) {
     return f;
 }
 
+/* A float rounded to the nearest bfloat16 (ties to even), as torch rounds; a NaN stays a NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
 #endif
