@@ -1245,8 +1245,8 @@ def markdown(report: Report, command: str) -> str:
         f"`{command}` — {model} in {report.dtype} from one Hugging Face folder written "
         f"by kvmesh's loader, the same prompt token ids for every system, on {_where(m)}; load "
         f"average {m['load_average_start']:.1f} at the start, {m['load_average_end']:.1f} at "
-        f"the end. {_vllm_setup(report)}; kvmesh with its defaults (`kvmesh up --mode "
-        "colocated` for the server rows). One warm-up each, then "
+        f"the end. {_vllm_setup(report)}; kvmesh with its defaults{_but_dtype(report)} "
+        "(`kvmesh up --mode colocated` for the server rows). One warm-up each, then "
         f"{report.workload['runs']} "
         "run(s) per row on fresh prompts; each figure is the better undisturbed run. Results: "
         f"`bench/results/{name}.json`, `bench/results/{name}.png`.",
@@ -1284,6 +1284,11 @@ def markdown(report: Report, command: str) -> str:
     ]
     lines += [f"- {line}" for line in disturbance_lines(report)]
     return "\n".join(lines) + "\n"
+
+
+def _but_dtype(report: Report) -> str:
+    """ " but --dtype D" where the run chose another dtype than the device's default, else ""."""
+    return "" if report.dtype == DTYPES[report.device] else f" but `--dtype {report.dtype}`"
 
 
 def _where(m: dict[str, Any]) -> str:
