@@ -25,6 +25,7 @@ import logging
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -79,6 +80,12 @@ TRANSPOSED_MAX_ROWS = 128
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
+# The library's projection-input functions (float32 rows, or bfloat16 ones).
+_INPUT_ARGTYPES: list[Any] = [
+    *(_POINTER, _INT, _INT),  # x, rows, x row stride
+    *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
+    *(_INT, _POINTER, ctypes.c_int),  # width of f(x), out, threads
+]
 
 
 class SmallBatchLinear:
@@ -116,11 +123,7 @@ class SmallBatchLinear:
         ]
         self.input_function = library.projection_input
         self.input_function.restype = None
-        self.input_function.argtypes = [
-            *(_POINTER, _INT, _INT),  # x, rows, x row stride
-            *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
-            *(_INT, _POINTER, ctypes.c_int),  # width of f(x), out, threads
-        ]
+        self.input_function.argtypes = _INPUT_ARGTYPES
         self.num_threads = num_threads
         if max_rows is None:
             max_rows = MAX_ROWS_BY_LANES.get(kernel_lanes(library), DEFAULT_MAX_ROWS)
@@ -200,24 +203,39 @@ class SmallBatchLinear:
         element-wise passes on the CPU, its SwiGLU two); x is float32 on the CPU."""
         if norm is None and not gated:
             return x
-        if norm is not None and gated:
-            raise ValueError("a projection is normed or gated, not both")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        width = x.shape[1] // 2 if gated else x.shape[1]
-        out = x.new_empty(x.shape[0], width)
-        self.input_function(
-            x.data_ptr(),
-            x.shape[0],
-            x.stride(0),
-            None if norm is None else norm.weight.data_ptr(),
-            0.0 if norm is None else norm.eps,
-            gated,
-            width,
-            out.data_ptr(),
-            self.num_threads,
-        )
-        return out
+        return library_projection_input(self.input_function, x, norm, gated, self.num_threads)
+
+
+def library_projection_input(
+    function: Callable[..., object],
+    x: torch.Tensor,
+    norm: RMSNorm | None,
+    gated: bool,
+    num_threads: int,
+) -> torch.Tensor:
+    """f(x) (the norm, or the SwiGLU when gated) by one of the library's projection-input
+    functions, which reads and writes rows of x's dtype (float32: projection_input; bfloat16:
+    bfloat16_projection_input)."""
+    if norm is not None and gated:
+        raise ValueError("a projection is normed or gated, not both")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    width = x.shape[1] // 2 if gated else x.shape[1]
+    out = x.new_empty(x.shape[0], width)
+    failed = function(
+        x.data_ptr(),
+        x.shape[0],
+        x.stride(0),
+        None if norm is None else norm.weight.data_ptr(),
+        0.0 if norm is None else norm.eps,
+        gated,
+        width,
+        out.data_ptr(),
+        num_threads,
+    )
+    if failed:  # the float32 function returns nothing, the bfloat16 one -1 on failure
+        raise MemoryError("the projection input could not allocate its scratch rows")
+    return out
 
 
 def transposed_product(
@@ -315,11 +333,7 @@ class PackedProject:
         self.input_function = None if library is None else library.bfloat16_projection_input
         if self.input_function is not None:
             self.input_function.restype = ctypes.c_int
-            self.input_function.argtypes = [
-                *(_POINTER, _INT, _INT),  # x, rows, x row stride
-                *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
-                *(_INT, _POINTER, ctypes.c_int),  # width of f(x), out, threads
-            ]
+            self.input_function.argtypes = _INPUT_ARGTYPES
 
     def __call__(
         self,
@@ -342,27 +356,8 @@ class PackedProject:
             fused = fused and norm.weight.dtype == torch.bfloat16
         if not fused or (norm is None and not gated):
             return projection_input(x, norm, gated)
-        if norm is not None and gated:
-            raise ValueError("a projection is normed or gated, not both")
         assert self.input_function is not None
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        width = x.shape[1] // 2 if gated else x.shape[1]
-        out = x.new_empty(x.shape[0], width)
-        status = self.input_function(
-            x.data_ptr(),
-            x.shape[0],
-            x.stride(0),
-            None if norm is None else norm.weight.data_ptr(),
-            0.0 if norm is None else norm.eps,
-            gated,
-            width,
-            out.data_ptr(),
-            self.num_threads,
-        )
-        if status != 0:
-            raise MemoryError("the bfloat16 projection input could not allocate its scratch rows")
-        return out
+        return library_projection_input(self.input_function, x, norm, gated, self.num_threads)
 
 
 def choose_bfloat16_project(
