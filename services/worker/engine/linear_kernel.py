@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -31,17 +30,10 @@ import torch
 from torch import nn
 
 from services.worker.engine.huge_pages import huge_page_bytes
-from services.worker.engine.kernel_build import (
-    KernelUnavailable,
-    choose_kernel,
-    cpu_vendor,
-    load_library,
-)
+from services.worker.engine.kernel_build import choose_kernel, cpu_vendor, load_library
 from services.worker.engine.linear_crossover import Crossover
 from services.worker.engine.models.llama import RMSNorm, project_with_torch, projection_input
 from services.worker.engine.quant import Int8Linear
-
-logger = logging.getLogger(__name__)
 
 # Models whose streamed weights already live in a huge-page buffer (place_weights).
 _PLACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -370,14 +362,14 @@ def choose_bfloat16_project(
     applies = device.type == "cpu" and dtype == torch.bfloat16 and onednn_available()
     if not applies or large_mode not in ("auto", "onednn"):
         return None
-    library = None
-    if small_mode != "torch":
-        try:
-            library = load_library("small_batch_linear")
-        except KernelUnavailable as exc:
-            if small_mode == "kernel":
-                raise
-            logger.warning("bfloat16 norms and SwiGLU fall back to torch: %s", exc)
+    library = choose_kernel(
+        small_mode,
+        "torch",
+        device,
+        dtype,
+        lambda: load_library("small_batch_linear"),
+        dtypes=(torch.bfloat16,),
+    )
     return PackedProject(library, num_threads)
 
 
