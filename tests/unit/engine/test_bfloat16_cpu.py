@@ -1,7 +1,8 @@
-"""The engine in bfloat16 on the CPU, where the C kernels (float32 only) step aside and every
-projection runs on oneDNN (linear_kernel.PackedProject): each projection against its
-definition, prefill logits against transformers in bfloat16, and a continuous batch that
-generates without leaking a block."""
+"""The engine in bfloat16 on the CPU, where every projection runs on oneDNN and its norm or
+SwiGLU in one pass of the small-batch library (linear_kernel.PackedProject): each projection
+against its definition, the fused norm and SwiGLU against float32 rounded once, prefill logits
+against transformers' float32 next to its own bfloat16, and a continuous batch that generates
+without leaking a block. (The decode kernel's bfloat16 build: test_decode_kernel.py.)"""
 
 from __future__ import annotations
 

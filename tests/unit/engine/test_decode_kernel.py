@@ -14,6 +14,21 @@ from tests.unit.engine.paged_reference import BLOCK_SIZE, reference
 CPU = torch.device("cpu")
 
 
+def scattered_tables(
+    contexts: list[int], num_blocks: int, generator: torch.Generator
+) -> tuple[list[list[int]], torch.Tensor]:
+    """Each context's block table over blocks in random order, and the tables padded with block
+    0 (which the kernel must not read) into one tensor."""
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables, used = [], 0
+    for context in contexts:
+        blocks = math.ceil(context / BLOCK_SIZE)
+        tables.append(order[used : used + blocks])
+        used += blocks
+    max_blocks = max(map(len, tables))
+    return tables, torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+
+
 # A sliding window of 24 tokens (window > 0) starts mid-block and covers 2-3 blocks.
 @pytest.mark.parametrize("lone", [False, True])
 @pytest.mark.parametrize("window", [0, 24])
@@ -35,14 +50,7 @@ def test_kernel_matches_plain_attention(
     # A context of one token, exact block multiples, one past a multiple, and long ones, over
     # scattered blocks (tables padded with block 0, which the kernel must not read).
     contexts = [250] if lone else [1, 16, 17, 100, 250, 5, 32]
-    order = torch.randperm(num_blocks, generator=generator).tolist()
-    tables, used = [], 0
-    for context in contexts:
-        blocks = math.ceil(context / BLOCK_SIZE)
-        tables.append(order[used : used + blocks])
-        used += blocks
-    max_blocks = max(map(len, tables))
-    padded = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables])
+    tables, padded = scattered_tables(contexts, num_blocks, generator)
     q = torch.randn(len(contexts), heads, head_dim, generator=generator)
 
     kernel = load_decode_kernel(threads)
@@ -66,13 +74,7 @@ def test_bfloat16_build_is_the_float32_one_on_the_widened_caches(
     keys = torch.randn(40, BLOCK_SIZE, kv_heads, head_dim, generator=generator).bfloat16()
     values = torch.randn(40, BLOCK_SIZE, kv_heads, head_dim, generator=generator).bfloat16()
     contexts = [230] if lone else [1, 17, 100, 5, 230]
-    order = torch.randperm(40, generator=generator).tolist()
-    tables, used = [], 0
-    for context in contexts:
-        blocks = math.ceil(context / BLOCK_SIZE)
-        tables.append(order[used : used + blocks])
-        used += blocks
-    padded = torch.tensor([t + [0] * (max(map(len, tables)) - len(t)) for t in tables])
+    tables, padded = scattered_tables(contexts, 40, generator)
     q = torch.randn(len(contexts), heads, head_dim, generator=generator).bfloat16()
 
     got = load_decode_kernel(threads, torch.bfloat16)(
