@@ -69,6 +69,13 @@ PREFETCH_BY_DEFAULT_VENDORS = frozenset({"GenuineIntel"})
 # product W x^T than for x W^T (measured on the target CPU, side by side: decode steps of 32
 # rows 16% shorter, of 64 rows 10%; at 512 rows the plain product is faster again).
 TRANSPOSED_MAX_ROWS = 128
+# A bfloat16 model's steps of up to this many rows run their projections on the small-batch
+# kernel (bfloat16_small_batch_linear) instead of oneDNN. SmolLM2-135M's projections of one
+# step on 2 cores of an AMD EPYC Zen 4 (AVX-512 BF16, no AMX), weights on huge pages, min of 7
+# alternated: 1 row 11.6 vs 18.1 ms; 2 rows 18.8 vs 19.3, 3 rows 21.5 vs 17.2, 4-8 rows
+# 1.04-1.18x oneDNN's time (the kernel widens each bfloat16 weight to float32 before its
+# multiply-add, which bounds it by arithmetic from 2 rows).
+BFLOAT16_SMALL_MAX_ROWS = 1
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -157,17 +164,8 @@ class SmallBatchLinear:
                     x = projection_input(x, norm, gated)
                     return transposed_product(weight, x, residual, bias)
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
-        if norm is not None and gated:
-            raise ValueError("a projection is normed or gated, not both")
+        x, y = kernel_operands(module, weight, x, norm, gated, residual)
         outs, ins = weight.shape
-        width = 2 * ins if gated else ins
-        if x.shape[1] != width:
-            raise ValueError(f"{module} takes rows of {width} values, got {x.shape[1]}")
-        if residual is not None and residual.shape != (x.shape[0], outs):
-            raise ValueError(f"residual {tuple(residual.shape)} does not fit {module}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        y = residual if residual is not None else x.new_empty(x.shape[0], outs)
         # No torch.profiler.record_function around the call: at ~8 us it would cost a third
         # of a batch-1 projection's time outside the matmul.
         status = self.function(
@@ -196,6 +194,29 @@ class SmallBatchLinear:
         if norm is None and not gated:
             return x
         return library_projection_input(self.input_function, x, norm, gated, self.num_threads)
+
+
+def kernel_operands(
+    module: nn.Module,
+    weight: torch.Tensor,
+    x: torch.Tensor,
+    norm: RMSNorm | None,
+    gated: bool,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x with unit column stride, and y (the residual, or new rows) for one of the library's
+    small-batch products of `module`'s `weight` [outs, in]; ValueError when they do not fit."""
+    if norm is not None and gated:
+        raise ValueError("a projection is normed or gated, not both")
+    outs, ins = weight.shape
+    width = 2 * ins if gated else ins
+    if x.shape[1] != width:
+        raise ValueError(f"{module} takes rows of {width} values, got {x.shape[1]}")
+    if residual is not None and residual.shape != (x.shape[0], outs):
+        raise ValueError(f"residual {tuple(residual.shape)} does not fit {module}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return x, residual if residual is not None else x.new_empty(x.shape[0], outs)
 
 
 def library_projection_input(
@@ -317,15 +338,32 @@ class PackedProject:
     steps on 2 cores of an Intel Xeon with AMX (family 6 model 167), min of 7, side by side:
     batch-1 decode 0.80x the time, 64-row decode 0.91x, 32-row 0.95x, a 512-token prefill
     1.0x. Its norm or SwiGLU runs in one pass of the small-batch kernel's library where it is
-    given (bfloat16_projection_input), else as torch's ops."""
+    given (bfloat16_projection_input), else as torch's ops; and where it is given, steps of
+    up to small_max_rows rows run there whole (bfloat16_small_batch_linear), the weights
+    streamed as they are stored, which oneDNN's code reads far slower at so few rows."""
 
-    def __init__(self, library: ctypes.CDLL | None = None, num_threads: int = 1) -> None:
+    def __init__(
+        self,
+        library: ctypes.CDLL | None = None,
+        num_threads: int = 1,
+        small_max_rows: int = BFLOAT16_SMALL_MAX_ROWS,
+    ) -> None:
         self.product = PackedLinear()
         self.num_threads = num_threads
+        self.small_max_rows = small_max_rows
         self.input_function = None if library is None else library.bfloat16_projection_input
+        self.small_function = None if library is None else library.bfloat16_small_batch_linear
         if self.input_function is not None:
             self.input_function.restype = ctypes.c_int
             self.input_function.argtypes = _INPUT_ARGTYPES
+        if self.small_function is not None:
+            self.small_function.restype = ctypes.c_int
+            self.small_function.argtypes = [
+                *(_POINTER, _INT, _INT),  # x, rows, x row stride
+                *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
+                *(_POINTER, _POINTER, _INT, _INT),  # weight, bias (or NULL), in, outs
+                *(_POINTER, ctypes.c_int, ctypes.c_int),  # y, accumulate, threads
+            ]
 
     def __call__(
         self,
@@ -338,8 +376,71 @@ class PackedProject:
     ) -> torch.Tensor:
         if type(module) is not nn.Linear or x.dim() != 2:
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
+        weight, bias = module.weight, module.bias
+        if self._streams(x, weight, bias, norm, residual):
+            return self._stream(module, weight, bias, x, norm, gated, residual)
         x = self.projection_input(x, norm, gated)
-        return self.product(module.weight, x, residual, module.bias)
+        return self.product(weight, x, residual, bias)
+
+    @property
+    def streams_weights(self) -> bool:
+        """Some steps read the weights as they are stored (place_weights helps them)."""
+        return self.small_function is not None and self.small_max_rows > 0
+
+    def _streams(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        norm: RMSNorm | None,
+        residual: torch.Tensor | None,
+    ) -> bool:
+        """Whether the library computes this projection whole: few enough rows, and every
+        tensor it reads or writes bfloat16 and laid out as it reads them. (A batch-1 call
+        takes ~10 us of Python around the kernel's: the checks stay few.)"""
+        bfloat16 = torch.bfloat16
+        return (
+            x.shape[0] <= self.small_max_rows
+            and self.small_function is not None
+            and x.dtype == bfloat16
+            and weight.dtype == bfloat16
+            and weight.is_contiguous()
+            and (bias is None or bias.dtype == bfloat16)
+            and (norm is None or norm.weight.dtype == bfloat16)
+            and (residual is None or (residual.dtype == bfloat16 and residual.is_contiguous()))
+        )
+
+    def _stream(
+        self,
+        module: nn.Linear,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        x: torch.Tensor,
+        norm: RMSNorm | None,
+        gated: bool,
+        residual: torch.Tensor | None,
+    ) -> torch.Tensor:
+        assert self.small_function is not None
+        x, y = kernel_operands(module, weight, x, norm, gated, residual)
+        outs, ins = weight.shape
+        status = self.small_function(
+            x.data_ptr(),
+            x.shape[0],
+            x.stride(0),
+            None if norm is None else norm.weight.data_ptr(),
+            0.0 if norm is None else norm.eps,
+            gated,
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            ins,
+            outs,
+            y.data_ptr(),
+            residual is not None,
+            self.num_threads,
+        )
+        if status != 0:
+            raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
+        return y
 
     def projection_input(self, x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
         """f(x) of a Project: in one pass of the library for bfloat16 rows, else torch's ops."""

@@ -33,7 +33,12 @@ from services.worker.engine.decode_layers_kernel import (
 )
 from services.worker.engine.huge_pages import huge_page_bytes
 from services.worker.engine.kernel_build import KernelUnavailable
-from services.worker.engine.linear_kernel import SmallBatchLinear, kernel_weights, place_weights
+from services.worker.engine.linear_kernel import (
+    PackedProject,
+    SmallBatchLinear,
+    kernel_weights,
+    place_weights,
+)
 from services.worker.engine.loader import LoadedModel, dtype_name
 from services.worker.engine.models import StepInterrupted
 from services.worker.engine.models.llama import (
@@ -84,7 +89,8 @@ class ModelRunner:
         rope_store_kernel: rotates each layer's Q/K and stores its K/V when given (CPU
         float32); torch's ops otherwise.
         linear_kernel: runs the projections of steps with few rows when given (CPU float32),
-        on the weights it streams moved onto huge pages (linear_kernel.place_weights).
+        on the weights it streams moved onto huge pages (linear_kernel.place_weights), as are
+        a PackedProject's that streams some steps' weights itself.
         project: runs the projections where no linear_kernel is given (a bfloat16 model on
         the CPU: linear_kernel.PackedProject); torch's ops when neither is.
         fuse_small_decodes: with all three of the decode, RoPE/store and linear kernels, a
@@ -105,7 +111,9 @@ class ModelRunner:
         self.prefill_kernel = prefill_kernel
         self.rope_store_kernel = rope_store_kernel
         self.project: Project = linear_kernel or project or project_with_torch
-        if linear_kernel is not None:
+        if linear_kernel is not None or (
+            isinstance(project, PackedProject) and project.streams_weights
+        ):
             place_weights(loaded.model)
         self.onednn_from_rows = self._measure_crossover(linear_kernel)
         """Steps of this many rows or more run layer by layer: oneDNN runs some of their

@@ -1,8 +1,9 @@
-"""The engine in bfloat16 on the CPU, where every projection runs on oneDNN and its norm or
-SwiGLU in one pass of the small-batch library (linear_kernel.PackedProject): each projection
-against its definition, the fused norm and SwiGLU against float32 rounded once, prefill logits
-against transformers' float32 next to its own bfloat16, and a continuous batch that generates
-without leaking a block. (The decode kernel's bfloat16 build: test_decode_kernel.py.)"""
+"""The engine in bfloat16 on the CPU, where the projections of steps of many rows run on oneDNN,
+those of few rows whole in the small-batch library, and the norm or SwiGLU in one pass of that
+library (linear_kernel.PackedProject): each projection against its definition, the small steps
+against oneDNN, the fused norm and SwiGLU against float32 rounded once, prefill logits against
+transformers' float32 next to its own bfloat16, and a continuous batch that generates without
+leaking a block. (The decode kernel's bfloat16 build: test_decode_kernel.py.)"""
 
 from __future__ import annotations
 
@@ -84,7 +85,45 @@ def test_each_projection_matches_its_definition_within_bfloat16_rounding(
     assert relative_error(got, call.expected(module)) < 0.01
     # torch's own bfloat16 path agrees as closely.
     assert relative_error(got, call.run(project_with_torch, module)) < 0.01
-    assert project.product.num_copies == 1  # the weight laid out once
+    # oneDNN's copy of the weight made once, for the steps of more rows than stream.
+    assert project.product.num_copies == (rows > project.small_max_rows)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fused", ["", "norm+bias", "gated+residual"])
+@pytest.mark.parametrize(("ins", "outs"), [(576, 960), (64, 7), (40, 3)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+def test_small_steps_stream_what_onednn_computes(
+    rows: int, ins: int, outs: int, fused: str, threads: int
+) -> None:
+    """Steps of up to small_max_rows rows run whole in the small-batch library
+    (bfloat16_small_batch_linear), oneDNN not called (by default only batch-1 steps, where it
+    is faster, but it computes any number of rows): against oneDNN's product of the same
+    bfloat16 operands, each output within one bfloat16 step plus what summing in float32 in
+    another order may move it (both sum exact products of the same rounded f(x) and weights,
+    and round once; the residual is added after). Weight rows streamed (up to 3 rows) and
+    four at a time, with tails of fewer than four and a thread with no group of four."""
+    module = linear(ins, outs, torch.Generator().manual_seed(outs), bias="bias" in fused)
+    module = module.to(torch.bfloat16)
+    call = FusedCall.of(ins, outs, rows, fused, seed=rows * 100 + outs)
+    call.x = call.x.to(torch.bfloat16)
+    if call.norm is not None:
+        call.norm = call.norm.to(torch.bfloat16)
+    if call.residual is not None:
+        call.residual = call.residual.to(torch.bfloat16)
+    library = load_library("small_batch_linear")
+    streamed = PackedProject(library, threads, small_max_rows=8)  # the default streams 1
+    onednn = PackedProject(library, threads, small_max_rows=0)
+    got = call.run(streamed, module).float()
+    assert streamed.product.num_copies == 0
+    expected = call.run(onednn, module).float()
+    assert onednn.product.num_copies == 1
+    inputs = onednn.projection_input(call.x.clone(), call.norm, call.gated).float()
+    summed = inputs.abs() @ module.weight.float().abs().t()  # what the float32 sums carry
+    ulp = expected.abs() * 2.0**-7 + summed * 2.0**-20
+    if call.residual is not None:  # the product rounded before the sum: a step of its own
+        ulp += (expected - call.residual.float()).abs() * 2.0**-7
+    assert bool(((got - expected).abs() <= ulp).all())
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -1,5 +1,7 @@
-/* y = f(x) W^T for a few rows of x (CPU, float32 activations; float32 weights, or int8 weights
- * with a scale per output row): the projections of a small decode step.
+/* y = f(x) W^T for a few rows of x (CPU, float32 activations; float32 weights, int8 weights
+ * with a scale per output row, or bfloat16 weights): the projections of a small decode step.
+ * A bfloat16 model's rows go through bfloat16_small_batch_linear, which widens them to float32
+ * around the same product.
  *
  * With one to a few rows, every weight is used for that many multiply-adds after being read
  * from memory, so the product runs exactly as fast as the weights stream in. The weight rows
@@ -18,13 +20,14 @@
  *
  * Layouts:
  *   x    [rows, in] (or [rows, 2 * in] gated), row stride x_stride, unit column stride
- *   w    [outs, in] contiguous: an nn.Linear weight (float32), or an Int8Linear's int8 weight
- *        with its bfloat16 scales [outs] (y = f(x) . q_n * scale_n)
+ *   w    [outs, in] contiguous: an nn.Linear weight (float32 or bfloat16), or an Int8Linear's
+ *        int8 weight with its bfloat16 scales [outs] (y = f(x) . q_n * scale_n)
  *   y    [rows, outs] contiguous
  * Vectors are GCC vector extensions: AVX-512 or AVX2 + FMA code with -march=native on x86 (FMA
  * by the default -ffp-contract=fast), NEON on ARM.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -56,10 +59,36 @@ ALWAYS_INLINE vec loadv(const float *p) {
     return v;
 }
 
-/* Weights are float32, or int8 (quantized != 0) scaled per output row after the dot product.
- * `quantized` is always a literal at the call sites, so each kind gets its own code. */
-ALWAYS_INLINE vec weightsv(const void *w, int64_t index, int quantized) {
-    if (!quantized) return loadv((const float *)w + index);
+/* What the weights are: float32, int8 scaled per output row after the dot product, or
+ * bfloat16 (widened to float32 as they are read: the weights stream at half float32's bytes).
+ * The kind is a literal wherever the inlined functions below take it, so each kind gets its
+ * own code. */
+typedef enum { WEIGHTS_FLOAT32, WEIGHTS_INT8, WEIGHTS_BFLOAT16 } weight_kind;
+
+ALWAYS_INLINE int64_t weight_bytes(weight_kind kind) {
+    return kind == WEIGHTS_FLOAT32 ? (int64_t)sizeof(float)
+           : kind == WEIGHTS_INT8  ? (int64_t)sizeof(int8_t)
+                                   : (int64_t)sizeof(uint16_t);
+}
+
+/* LANES bfloat16 values widened to floats: each one's bits are its float's upper half. */
+ALWAYS_INLINE vec bfloat16v(const uint16_t *p) {
+#if defined(__AVX512F__)
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif defined(__AVX2__)
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
+    vec v;
+    for (int i = 0; i < LANES; i++) v[i] = bf16_to_float(p[i]);
+    return v;
+#endif
+}
+
+ALWAYS_INLINE vec weightsv(const void *w, int64_t index, weight_kind kind) {
+    if (kind == WEIGHTS_FLOAT32) return loadv((const float *)w + index);
+    if (kind == WEIGHTS_BFLOAT16) return bfloat16v((const uint16_t *)w + index);
     /* GCC turns the generic conversion (the last branch) into one conversion per lane. */
 #if defined(__AVX512F__)
     const __m128i q = _mm_loadu_si128((const __m128i *)((const int8_t *)w + index));
@@ -74,8 +103,10 @@ ALWAYS_INLINE vec weightsv(const void *w, int64_t index, int quantized) {
 #endif
 }
 
-ALWAYS_INLINE float weight1(const void *w, int64_t index, int quantized) {
-    return quantized ? (float)((const int8_t *)w)[index] : ((const float *)w)[index];
+ALWAYS_INLINE float weight1(const void *w, int64_t index, weight_kind kind) {
+    if (kind == WEIGHTS_FLOAT32) return ((const float *)w)[index];
+    if (kind == WEIGHTS_BFLOAT16) return bf16_to_float(((const uint16_t *)w)[index]);
+    return (float)((const int8_t *)w)[index];
 }
 
 static inline float sumv(vec v) {
@@ -88,15 +119,15 @@ enum { WEIGHT_ROWS = 4 };
 
 /* x rows xa and xb against weight rows 0..3 of w (row stride in): dots[r] and dots[4 + r]. */
 ALWAYS_INLINE void two_rows(const float *restrict xa, const float *restrict xb, const void *w,
-                            int64_t in, int quantized, float dots[8]) {
+                            int64_t in, weight_kind kind, float dots[8]) {
     const int64_t body = in & ~(int64_t)(LANES - 1);
     vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     for (int64_t k = 0; k < body; k += LANES) {
         vec va = loadv(xa + k), vb = loadv(xb + k);
         IN_REGISTER(va);
         IN_REGISTER(vb);
-        vec u0 = weightsv(w, k, quantized), u1 = weightsv(w, in + k, quantized);
-        vec u2 = weightsv(w, 2 * in + k, quantized), u3 = weightsv(w, 3 * in + k, quantized);
+        vec u0 = weightsv(w, k, kind), u1 = weightsv(w, in + k, kind);
+        vec u2 = weightsv(w, 2 * in + k, kind), u3 = weightsv(w, 3 * in + k, kind);
         IN_REGISTER(u0);
         IN_REGISTER(u1);
         IN_REGISTER(u2);
@@ -109,74 +140,96 @@ ALWAYS_INLINE void two_rows(const float *restrict xa, const float *restrict xb, 
         const float *x = r < 4 ? xa : xb;
         const int64_t row = (r % 4) * in;
         float dot = sumv(sums[r]);
-        for (int64_t k = body; k < in; k++) dot += weight1(w, row + k, quantized) * x[k];
+        for (int64_t k = body; k < in; k++) dot += weight1(w, row + k, kind) * x[k];
         dots[r] = dot;
     }
 }
 
 /* One x row against weight rows 0..3 of w: dots[r]. */
-ALWAYS_INLINE void one_row(const float *restrict x, const void *w, int64_t in, int quantized,
+ALWAYS_INLINE void one_row(const float *restrict x, const void *w, int64_t in, weight_kind kind,
                            float dots[4]) {
     const int64_t body = in & ~(int64_t)(LANES - 1);
     vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t k = 0; k < body; k += LANES) {
         const vec v = loadv(x + k);
-        a0 += weightsv(w, k, quantized) * v, a1 += weightsv(w, in + k, quantized) * v;
-        a2 += weightsv(w, 2 * in + k, quantized) * v, a3 += weightsv(w, 3 * in + k, quantized) * v;
+        a0 += weightsv(w, k, kind) * v, a1 += weightsv(w, in + k, kind) * v;
+        a2 += weightsv(w, 2 * in + k, kind) * v, a3 += weightsv(w, 3 * in + k, kind) * v;
     }
     const vec sums[4] = {a0, a1, a2, a3};
     for (int r = 0; r < 4; r++) {
         float dot = sumv(sums[r]);
-        for (int64_t k = body; k < in; k++) dot += weight1(w, r * in + k, quantized) * x[k];
+        for (int64_t k = body; k < in; k++) dot += weight1(w, r * in + k, kind) * x[k];
         dots[r] = dot;
     }
 }
 
-/* y[m, n] (+)= dot * scale of output n (+ bias of output n), for the outputs [n, n + count)
- * of row m. */
-static inline void store(float *y, const float *dots, const uint16_t *scales, const float *bias,
-                         int64_t count, int accumulate) {
+/* One product's operands. With float32 or int8 weights, y and bias are float32; with bfloat16
+ * weights (a bfloat16 model's) they are bfloat16. */
+typedef struct {
+    const float *x;
+    int64_t rows, x_stride;
+    const void *w;
+    const uint16_t *scales; /* int8 weights' scales, else NULL */
+    const void *bias;       /* NULL: none */
+    int64_t in, outs;
+    void *y; /* [rows, outs] */
+    int accumulate;
+} Product;
+
+/* Row m's outputs [n, n + count) from their dots: y (+)= dot * scale (int8) + bias. A bfloat16
+ * model's outputs as oneDNN's product and torch's add_ give them: dot + bias rounded once to
+ * bfloat16, and with accumulate added to y and rounded again. */
+ALWAYS_INLINE void store(const Product *p, int64_t m, int64_t n, const float *dots,
+                         int64_t count, weight_kind kind) {
     for (int64_t c = 0; c < count; c++) {
-        const float value = scales == NULL ? dots[c] : dots[c] * bf16_to_float(scales[c]);
-        y[c] = value + (bias == NULL ? 0.f : bias[c]) + (accumulate ? y[c] : 0.f);
+        const int64_t at = m * p->outs + n + c;
+        if (kind == WEIGHTS_BFLOAT16) {
+            const uint16_t *bias = p->bias;
+            uint16_t *y = (uint16_t *)p->y + at;
+            const uint16_t out =
+                float_to_bf16(dots[c] + (bias == NULL ? 0.f : bf16_to_float(bias[n + c])));
+            *y = p->accumulate ? float_to_bf16(bf16_to_float(*y) + bf16_to_float(out)) : out;
+        } else {
+            const float *bias = p->bias;
+            float *y = (float *)p->y + at;
+            const float scaled =
+                kind == WEIGHTS_INT8 ? dots[c] * bf16_to_float(p->scales[n + c]) : dots[c];
+            *y = scaled + (bias == NULL ? 0.f : bias[n + c]) + (p->accumulate ? *y : 0.f);
+        }
     }
 }
 
-/* Outputs [n, n + 4) of every row, w, scales and bias pointing at output n: the four weight
- * rows are read from memory once. `next` is the group of four weight rows computed after them
+/* Outputs [n, n + 4) of every row, w pointing at output n's weight row: the four weight rows
+ * are read from memory once. `next` is the group of four weight rows computed after them
  * (NULL if none): a slice of it is asked for at each pair of x rows (prefetch_slice), so it
  * comes in from memory while this group is computed on (with the hardware prefetcher alone the
  * two took turns: on 2 cores of an AMD EPYC Zen 5, SmolLM2-135M's projections of 8 rows took
  * 17.4-17.7 instead of 30.3-33.5 ms a step, of 16 rows 24.3-26.0 instead of 41.9-43.1, with
  * the 16-float vectors of AVX-512; oneDNN 17.3-18.6 and 19.8-20.9). */
-ALWAYS_INLINE void four_outputs(const float *x, int64_t rows, int64_t x_stride, const void *w,
-                                const void *next, const uint16_t *scales, const float *bias,
-                                int quantized, int64_t in, float *y, int64_t outs,
-                                int accumulate) {
-    const int64_t bytes = WEIGHT_ROWS * in * (quantized ? 1 : (int64_t)sizeof(float));
-    const int64_t pairs = (rows + 1) / 2;
+ALWAYS_INLINE void four_outputs(const Product *p, int64_t n, const void *w, const void *next,
+                                weight_kind kind) {
+    const int64_t bytes = WEIGHT_ROWS * p->in * weight_bytes(kind);
+    const int64_t pairs = (p->rows + 1) / 2;
     float dots[8];
-    for (int64_t m = 0; m < rows; m += 2) {
+    for (int64_t m = 0; m < p->rows; m += 2) {
         if (next != NULL) prefetch_slice(next, bytes, m / 2, pairs, PREFETCH_INTO_L1);
-        const int pair = m + 1 < rows;
+        const float *x = p->x + m * p->x_stride;
+        const int pair = m + 1 < p->rows;
         if (pair)
-            two_rows(x + m * x_stride, x + (m + 1) * x_stride, w, in, quantized, dots);
+            two_rows(x, x + p->x_stride, w, p->in, kind, dots);
         else
-            one_row(x + m * x_stride, w, in, quantized, dots);
-        for (int64_t r = 0; r <= pair; r++)
-            store(y + (m + r) * outs, dots + 4 * r, scales, bias, WEIGHT_ROWS, accumulate);
+            one_row(x, w, p->in, kind, dots);
+        for (int64_t r = 0; r <= pair; r++) store(p, m + r, n, dots + 4 * r, WEIGHT_ROWS, kind);
     }
 }
 
-/* Output n of every row (the four-row path's last outs % 4 outputs). */
-static void last_output(const float *x, int64_t rows, int64_t x_stride, const void *w,
-                       const uint16_t *scales, const float *bias, int64_t in, float *y,
-                       int64_t outs, int accumulate) {
-    for (int64_t m = 0; m < rows; m++) {
-        const float *xm = x + m * x_stride;
+/* Output n of every row, w pointing at its weight row (the four-row path's last outs % 4). */
+ALWAYS_INLINE void last_output(const Product *p, int64_t n, const void *w, weight_kind kind) {
+    for (int64_t m = 0; m < p->rows; m++) {
+        const float *x = p->x + m * p->x_stride;
         float dot = 0.f;
-        for (int64_t k = 0; k < in; k++) dot += weight1(w, k, scales != NULL) * xm[k];
-        store(y + m * outs, &dot, scales, bias, 1, accumulate);
+        for (int64_t k = 0; k < p->in; k++) dot += weight1(w, k, kind) * x[k];
+        store(p, m, n, &dot, 1, kind);
     }
 }
 
@@ -191,11 +244,11 @@ enum { STREAM_MAX_ROWS = 3, ROW_GROUP = 3 };
  * accumulators per x row along k keep more than one multiply-add in flight at batch 1.
  * `count` is a literal at the call sites: each count gets its own unrolled code. */
 ALWAYS_INLINE void weight_row(const float *x, int64_t x_stride, int count, const void *w,
-                              int64_t in, int quantized, float dots[ROW_GROUP]) {
+                              int64_t in, weight_kind kind, float dots[ROW_GROUP]) {
     const int64_t body = in & ~(int64_t)(2 * LANES - 1);
     vec lo[ROW_GROUP] = {{0}}, hi[ROW_GROUP] = {{0}};
     for (int64_t k = 0; k < body; k += 2 * LANES) {
-        const vec u = weightsv(w, k, quantized), u2 = weightsv(w, k + LANES, quantized);
+        const vec u = weightsv(w, k, kind), u2 = weightsv(w, k + LANES, kind);
         for (int m = 0; m < count; m++) {
             lo[m] += u * loadv(x + m * x_stride + k);
             hi[m] += u2 * loadv(x + m * x_stride + k + LANES);
@@ -203,79 +256,84 @@ ALWAYS_INLINE void weight_row(const float *x, int64_t x_stride, int count, const
     }
     for (int m = 0; m < count; m++) {
         float dot = sumv(lo[m] + hi[m]);
-        for (int64_t k = body; k < in; k++) dot += weight1(w, k, quantized) * x[m * x_stride + k];
+        for (int64_t k = body; k < in; k++) dot += weight1(w, k, kind) * x[m * x_stride + k];
         dots[m] = dot;
     }
 }
 
-/* Output n (w pointing at its weight row, scale its int8 scale or 1, bias its bias or 0) of
- * every row. */
-ALWAYS_INLINE void streamed_output(const float *x, int64_t rows, int64_t x_stride, const void *w,
-                                   float scale, float bias, int quantized, int64_t in, float *y,
-                                   int64_t outs, int accumulate) {
+/* Output n of every row, w pointing at its weight row. */
+ALWAYS_INLINE void streamed_output(const Product *p, int64_t n, const void *w, weight_kind kind) {
     float dots[ROW_GROUP];
-    for (int64_t m = 0; m < rows; m += ROW_GROUP) {
-        const int64_t count = rows - m < ROW_GROUP ? rows - m : ROW_GROUP;
-        const float *xm = x + m * x_stride;
+    for (int64_t m = 0; m < p->rows; m += ROW_GROUP) {
+        const int64_t count = p->rows - m < ROW_GROUP ? p->rows - m : ROW_GROUP;
+        const float *x = p->x + m * p->x_stride;
         switch (count) {
-        case 1: weight_row(xm, x_stride, 1, w, in, quantized, dots); break;
-        case 2: weight_row(xm, x_stride, 2, w, in, quantized, dots); break;
-        default: weight_row(xm, x_stride, 3, w, in, quantized, dots); break;
+        case 1: weight_row(x, p->x_stride, 1, w, p->in, kind, dots); break;
+        case 2: weight_row(x, p->x_stride, 2, w, p->in, kind, dots); break;
+        default: weight_row(x, p->x_stride, 3, w, p->in, kind, dots); break;
         }
-        for (int64_t r = 0; r < count; r++) {
-            float *out = y + (m + r) * outs;
-            *out = dots[r] * scale + bias + (accumulate ? *out : 0.f);
-        }
+        for (int64_t r = 0; r < count; r++) store(p, m + r, n, dots + r, 1, kind);
     }
 }
 
-/* Each thread reads a contiguous slab of weight rows one row after another: a single
- * sequential stream, which the hardware prefetcher follows at the memory's read bandwidth
- * (four rows read interleaved reached ~0.6x of it on an AMD EPYC Zen 4). One loop per weight
- * kind, so that each is compiled for its kind. */
-static void streamed_rows(const float *x, int64_t rows, int64_t x_stride, const void *w,
-                          const uint16_t *scales, const float *bias, int64_t in, int64_t outs,
-                          float *y, int accumulate, int num_threads) {
-    if (scales == NULL) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t n = 0; n < outs; n++)
-            streamed_output(x, rows, x_stride, (const float *)w + n * in, 1.f,
-                            bias == NULL ? 0.f : bias[n], 0, in, y + n, outs, accumulate);
-    } else {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t n = 0; n < outs; n++)
-            streamed_output(x, rows, x_stride, (const int8_t *)w + n * in,
-                            bf16_to_float(scales[n]), bias == NULL ? 0.f : bias[n], 1, in, y + n,
-                            outs, accumulate);
-    }
+/* Weight rows [first, last) read one row after another (rows <= STREAM_MAX_ROWS). */
+ALWAYS_INLINE void streamed_slab(const Product *p, int64_t first, int64_t last,
+                                 weight_kind kind) {
+    const char *weights = p->w;
+    const int64_t row_bytes = p->in * weight_bytes(kind);
+    for (int64_t n = first; n < last; n++) streamed_output(p, n, weights + n * row_bytes, kind);
 }
 
-static void four_row_groups(const float *x, int64_t rows, int64_t x_stride, const void *w,
-                            const uint16_t *scales, const float *bias, int64_t in, int64_t outs,
-                            float *y, int accumulate, int num_threads) {
-    const int64_t groups = outs / WEIGHT_ROWS, group_size = WEIGHT_ROWS * in;
-    const size_t weight_bytes = scales == NULL ? sizeof(float) : 1;
-    const char *weights = w;
-    /* One loop per weight kind, so that each is compiled for its kind. */
-    if (scales == NULL) {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t g = 0; g < groups; g++)
-            four_outputs(x, rows, x_stride, (const float *)w + g * group_size,
-                         g + 1 < groups ? (const float *)w + (g + 1) * group_size : NULL, NULL,
-                         bias == NULL ? NULL : bias + g * WEIGHT_ROWS, 0, in, y + g * WEIGHT_ROWS,
-                         outs, accumulate);
-    } else {
-#pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t g = 0; g < groups; g++)
-            four_outputs(x, rows, x_stride, (const int8_t *)w + g * group_size,
-                         g + 1 < groups ? (const int8_t *)w + (g + 1) * group_size : NULL,
-                         scales + g * WEIGHT_ROWS, bias == NULL ? NULL : bias + g * WEIGHT_ROWS, 1,
-                         in, y + g * WEIGHT_ROWS, outs, accumulate);
+/* Groups of four weight rows [first, last), and with `tail` the last outs % 4 rows (more rows
+ * than STREAM_MAX_ROWS). */
+ALWAYS_INLINE void grouped_slab(const Product *p, int64_t first, int64_t last, int tail,
+                                weight_kind kind) {
+    const char *weights = p->w;
+    const int64_t row_bytes = p->in * weight_bytes(kind), group_bytes = WEIGHT_ROWS * row_bytes;
+    for (int64_t g = first; g < last; g++)
+        four_outputs(p, g * WEIGHT_ROWS, weights + g * group_bytes,
+                     g + 1 < last ? weights + (g + 1) * group_bytes : NULL, kind);
+    if (!tail) return;
+    for (int64_t n = p->outs / WEIGHT_ROWS * WEIGHT_ROWS; n < p->outs; n++)
+        last_output(p, n, weights + n * row_bytes, kind);
+}
+
+/* This thread's contiguous share [first, last) of `count` items, as schedule(static) splits;
+ * returns whether it is the last thread's. */
+static int thread_share(int64_t count, int64_t *first, int64_t *last) {
+    const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+    *first = count * thread / threads;
+    *last = count * (thread + 1) / threads;
+    return thread == threads - 1;
+}
+
+/* The product over the threads, each reading a contiguous slab of weight rows once. With up to
+ * STREAM_MAX_ROWS rows, one row after another: a single sequential stream, which the hardware
+ * prefetcher follows at the memory's read bandwidth (four rows read interleaved reached ~0.6x
+ * of it on an AMD EPYC Zen 4); with more, four at a time (four_outputs). The slab functions
+ * are inlined with a literal kind in each case, so each kind is compiled for itself. */
+static void product(const Product *p, weight_kind kind, int num_threads) {
+    const int streamed = p->rows <= STREAM_MAX_ROWS;
+    const int64_t items = streamed ? p->outs : p->outs / WEIGHT_ROWS;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t first, last;
+        const int tail = thread_share(items, &first, &last);
+        switch (kind) {
+        case WEIGHTS_FLOAT32:
+            if (streamed) streamed_slab(p, first, last, WEIGHTS_FLOAT32);
+            else grouped_slab(p, first, last, tail, WEIGHTS_FLOAT32);
+            break;
+        case WEIGHTS_INT8:
+            if (streamed) streamed_slab(p, first, last, WEIGHTS_INT8);
+            else grouped_slab(p, first, last, tail, WEIGHTS_INT8);
+            break;
+        case WEIGHTS_BFLOAT16:
+            if (streamed) streamed_slab(p, first, last, WEIGHTS_BFLOAT16);
+            else grouped_slab(p, first, last, tail, WEIGHTS_BFLOAT16);
+            break;
+        }
     }
-    for (int64_t n = groups * WEIGHT_ROWS; n < outs; n++)
-        last_output(x, rows, x_stride, weights + (size_t)(n * in) * weight_bytes,
-                   scales == NULL ? NULL : scales + n, bias == NULL ? NULL : bias + n, in, y + n,
-                   outs, accumulate);
 }
 
 static void rms_norm_row(const float *restrict x, const float *restrict weight, float eps,
@@ -309,6 +367,22 @@ void projection_input(const float *x, int64_t rows, int64_t x_stride, const floa
     }
 }
 
+/* Row m of a bfloat16 model's x widened into `row` (width floats), and f(x) in float32 into
+ * `result` (in floats): the norm with its weight widened in `weight`, or the SwiGLU when gated;
+ * returns the widened row itself when there is neither. */
+static const float *bfloat16_input_row(const uint16_t *x, int64_t width, const float *weight,
+                                       float eps, int gated, int64_t in, float *row,
+                                       float *result) {
+    for (int64_t k = 0; k < width; k++) row[k] = bf16_to_float(x[k]);
+    if (gated)
+        swiglu_row(row, in, result);
+    else if (weight != NULL)
+        rms_norm_row(row, weight, eps, in, result);
+    else
+        return row;
+    return result;
+}
+
 /* projection_input for a bfloat16 model's rows (PackedProject, linear_kernel.py): each row
  * widened to float32, f(x) computed as above, rounded once to bfloat16 into out [rows, in].
  * torch's bfloat16 RMSNorm converts to float32 and back around its passes, and its SwiGLU rounds
@@ -335,12 +409,9 @@ int bfloat16_projection_input(const uint16_t *x, int64_t rows, int64_t x_stride,
                 failed = 1;
                 continue;
             }
-            float *row = scratch, *weight = scratch + width, *result = weight + in;
-            for (int64_t k = 0; k < width; k++) row[k] = bf16_to_float(x[m * x_stride + k]);
-            if (gated)
-                swiglu_row(row, in, result);
-            else
-                rms_norm_row(row, weight, eps, in, result);
+            const float *result = bfloat16_input_row(
+                x + m * x_stride, width, norm_weight == NULL ? NULL : scratch + width, eps, gated,
+                in, scratch, scratch + width + in);
             for (int64_t k = 0; k < in; k++) out[m * in + k] = float_to_bf16(result[k]);
         }
         free(scratch);
@@ -371,10 +442,42 @@ int small_batch_linear(const float *x, int64_t rows, int64_t x_stride, const flo
         x = scratch;
         x_stride = in;
     }
-    if (rows <= STREAM_MAX_ROWS)
-        streamed_rows(x, rows, x_stride, w, scales, bias, in, outs, y, accumulate, num_threads);
-    else
-        four_row_groups(x, rows, x_stride, w, scales, bias, in, outs, y, accumulate, num_threads);
+    const Product p = {x, rows, x_stride, w, scales, bias, in, outs, y, accumulate};
+    product(&p, scales == NULL ? WEIGHTS_FLOAT32 : WEIGHTS_INT8, num_threads);
     free(scratch);
+    return 0;
+}
+
+/* small_batch_linear for a bfloat16 model (PackedProject, linear_kernel.py): x, the norm's
+ * weight, w, bias and y are bfloat16. It computes what oneDNN's bfloat16 product computes
+ * there, in float32 from the same bfloat16 values: f(x) rounded once to bfloat16 (as
+ * bfloat16_projection_input rounds it), the product and its bias in float32, rounded once, and
+ * the residual added after, rounded again (as torch's add_ of two bfloat16 tensors). The
+ * weights stream at half float32's bytes, so a batch-1 step can run twice as fast as float32's;
+ * oneDNN's bfloat16 code reads them far slower at a few rows. Returns 0, or -1 when its scratch
+ * rows cannot be allocated. */
+int bfloat16_small_batch_linear(const uint16_t *x, int64_t rows, int64_t x_stride,
+                                const uint16_t *norm_weight, float eps, int gated,
+                                const uint16_t *w, const uint16_t *bias, int64_t in,
+                                int64_t outs, uint16_t *y, int accumulate, int num_threads) {
+    const int64_t width = gated ? 2 * in : in;
+    /* f(x) as floats [rows, in], a widened row, the norm's weight. */
+    float *inputs = malloc(sizeof(float) * (size_t)(rows * in + width + in));
+    if (inputs == NULL) return -1;
+    float *row = inputs + rows * in, *weight = row + width;
+    if (norm_weight != NULL)
+        for (int64_t k = 0; k < in; k++) weight[k] = bf16_to_float(norm_weight[k]);
+    const int rounded = gated || norm_weight != NULL;
+    for (int64_t m = 0; m < rows; m++) {
+        float *input = inputs + m * in;
+        const float *result = bfloat16_input_row(x + m * x_stride, width,
+                                                 norm_weight == NULL ? NULL : weight, eps, gated,
+                                                 in, row, input);
+        for (int64_t k = 0; k < in; k++)
+            input[k] = rounded ? bf16_to_float(float_to_bf16(result[k])) : result[k];
+    }
+    const Product p = {inputs, rows, in, w, NULL, bias, in, outs, y, accumulate};
+    product(&p, WEIGHTS_BFLOAT16, num_threads);
+    free(inputs);
     return 0;
 }
