@@ -70,12 +70,14 @@ PREFETCH_BY_DEFAULT_VENDORS = frozenset({"GenuineIntel"})
 # rows 16% shorter, of 64 rows 10%; at 512 rows the plain product is faster again).
 TRANSPOSED_MAX_ROWS = 128
 # A bfloat16 model's steps of up to this many rows run their projections on the small-batch
-# kernel (bfloat16_small_batch_linear) instead of oneDNN. SmolLM2-135M's projections of one
-# step on 2 cores of an AMD EPYC Zen 4 (AVX-512 BF16, no AMX), weights on huge pages, min of 7
-# alternated: 1 row 11.6 vs 18.1 ms; 2 rows 18.8 vs 19.3, 3 rows 21.5 vs 17.2, 4-8 rows
-# 1.04-1.18x oneDNN's time (the kernel widens each bfloat16 weight to float32 before its
-# multiply-add, which bounds it by arithmetic from 2 rows).
-BFLOAT16_SMALL_MAX_ROWS = 1
+# kernel (bfloat16_small_batch_linear) instead of oneDNN, by whether the kernel meets the
+# weights as bfloat16 pairs (AVX-512 BF16: bfloat16_small_batch_pairs) or widens each one
+# first. SmolLM2-135M's projections of one step on 2 cores of an AMD EPYC Zen 4 (AVX-512 BF16,
+# no AMX), weights on huge pages, min of 7 alternated, kernel against oneDNN: in pairs 1 row
+# 9.8 vs 17.0 ms, 2 rows 10.6 vs 19.2, 3 rows 10.6 vs 15.9, 4 rows 12.4 vs 15.6, 6 rows 15.9 vs
+# 15.1, 8 rows 19.9 vs 18.4; widened 1 row 11.6 vs 18.1, 2 rows 18.8 vs 19.3, 3 rows 21.5 vs
+# 17.2 (three instructions a weight vector bound it by arithmetic from 2 rows).
+BFLOAT16_SMALL_MAX_ROWS = {True: 4, False: 1}
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -346,10 +348,16 @@ class PackedProject:
         self,
         library: ctypes.CDLL | None = None,
         num_threads: int = 1,
-        small_max_rows: int = BFLOAT16_SMALL_MAX_ROWS,
+        small_max_rows: int | None = None,
     ) -> None:
+        """small_max_rows: the most rows the library computes whole (by default
+        BFLOAT16_SMALL_MAX_ROWS for how the library was built)."""
         self.product = PackedLinear()
         self.num_threads = num_threads
+        if small_max_rows is None:
+            small_max_rows = (
+                0 if library is None else BFLOAT16_SMALL_MAX_ROWS[bfloat16_pairs(library)]
+            )
         self.small_max_rows = small_max_rows
         self.input_function = None if library is None else library.bfloat16_projection_input
         self.small_function = None if library is None else library.bfloat16_small_batch_linear
@@ -625,6 +633,13 @@ def large_product(mode: str, lanes: int, num_threads: int) -> LaidOutLinear | No
     if mode in ("panels", "panels-prefetch"):
         return PanelLinear(load_library("panel_linear"), num_threads, mode == "panels-prefetch")
     return PackedLinear() if mode == "onednn" else None
+
+
+def bfloat16_pairs(library: ctypes.CDLL) -> bool:
+    """Whether the small-batch kernel meets a bfloat16 model's weights as bfloat16 pairs
+    (AVX-512 BF16), as built for this CPU."""
+    library.bfloat16_small_batch_pairs.restype = ctypes.c_int
+    return bool(library.bfloat16_small_batch_pairs())
 
 
 def kernel_lanes(library: ctypes.CDLL) -> int:

@@ -18,6 +18,7 @@ from services.worker.engine.api import FinishReason, SamplingParams
 from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import (
     PackedProject,
+    bfloat16_pairs,
     choose_bfloat16_project,
     onednn_available,
 )
@@ -30,6 +31,7 @@ from tests.unit.engine.test_linear_kernel import FusedCall, linear, reference, r
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 CPU = torch.device("cpu")
+WIDENED = ("BFLOAT16_WIDENED",)
 PROMPT_LENGTHS = (5, 17, 33, 64, 3, 40, 9, 24)
 
 
@@ -89,20 +91,28 @@ def test_each_projection_matches_its_definition_within_bfloat16_rounding(
     assert project.product.num_copies == (rows > project.small_max_rows)
 
 
+def test_the_widened_build_widens() -> None:
+    """BFLOAT16_WIDENED builds the path of CPUs without AVX-512 BF16 (the test below runs both
+    builds, so both paths run on any CPU)."""
+    assert not bfloat16_pairs(load_library("small_batch_linear", WIDENED))
+
+
+@pytest.mark.parametrize("defines", [(), WIDENED])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fused", ["", "norm+bias", "gated+residual"])
-@pytest.mark.parametrize(("ins", "outs"), [(576, 960), (64, 7), (40, 3)])
+@pytest.mark.parametrize(("ins", "outs"), [(576, 960), (64, 7), (40, 3), (100, 9)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 def test_small_steps_stream_what_onednn_computes(
-    rows: int, ins: int, outs: int, fused: str, threads: int
+    rows: int, ins: int, outs: int, fused: str, threads: int, defines: tuple[str, ...]
 ) -> None:
     """Steps of up to small_max_rows rows run whole in the small-batch library
-    (bfloat16_small_batch_linear), oneDNN not called (by default only batch-1 steps, where it
-    is faster, but it computes any number of rows): against oneDNN's product of the same
+    (bfloat16_small_batch_linear), oneDNN not called (by default only the few rows where it is
+    faster, but it computes any number): against oneDNN's product of the same
     bfloat16 operands, each output within one bfloat16 step plus what summing in float32 in
     another order may move it (both sum exact products of the same rounded f(x) and weights,
-    and round once; the residual is added after). Weight rows streamed (up to 3 rows) and
-    four at a time, with tails of fewer than four and a thread with no group of four."""
+    and round once; the residual is added after). In bfloat16 pairs (AVX-512 BF16) and
+    widened (weight rows streamed up to 3 rows, then four at a time, with tails of fewer than
+    four and a thread with no group of four); rows of whole and part pair vectors."""
     module = linear(ins, outs, torch.Generator().manual_seed(outs), bias="bias" in fused)
     module = module.to(torch.bfloat16)
     call = FusedCall.of(ins, outs, rows, fused, seed=rows * 100 + outs)
@@ -111,8 +121,8 @@ def test_small_steps_stream_what_onednn_computes(
         call.norm = call.norm.to(torch.bfloat16)
     if call.residual is not None:
         call.residual = call.residual.to(torch.bfloat16)
-    library = load_library("small_batch_linear")
-    streamed = PackedProject(library, threads, small_max_rows=8)  # the default streams 1
+    library = load_library("small_batch_linear", defines)
+    streamed = PackedProject(library, threads, small_max_rows=8)  # more than by default
     onednn = PackedProject(library, threads, small_max_rows=0)
     got = call.run(streamed, module).float()
     assert streamed.product.num_copies == 0

@@ -167,6 +167,7 @@ ALWAYS_INLINE void one_row(const float *restrict x, const void *w, int64_t in, w
  * weights (a bfloat16 model's) they are bfloat16. */
 typedef struct {
     const float *x;
+    const uint16_t *x16; /* the same rows as bfloat16 (row stride in), or NULL */
     int64_t rows, x_stride;
     const void *w;
     const uint16_t *scales; /* int8 weights' scales, else NULL */
@@ -298,6 +299,66 @@ ALWAYS_INLINE void grouped_slab(const Product *p, int64_t first, int64_t last, i
         last_output(p, n, weights + n * row_bytes, kind);
 }
 
+/* BFLOAT16_WIDENED builds the path of CPUs without AVX-512 BF16 anywhere (the tests run both). */
+#if defined(__AVX512BF16__) && !defined(BFLOAT16_WIDENED)
+#define BFLOAT16_PAIRS 1
+#else
+#define BFLOAT16_PAIRS 0
+#endif
+
+#if BFLOAT16_PAIRS
+/* With AVX-512 BF16, a bfloat16 model's rows meet the weights as bfloat16 pairs: vdpbf16ps
+ * multiplies 32 pairs and adds them into 16 float32 sums in one instruction, where widening
+ * each weight first takes three, and from 2 rows that work, not memory, bounded the product.
+ * Each weight row is read once and multiplied into every x row (four at a time, two sums
+ * each); the products of bfloat16 values are exact in float32, so only the order of the sums
+ * differs from the widened path's. */
+enum { PAIR_ROW_GROUP = 4, PAIRS = 32 };
+
+/* x rows [0, count) against one weight row w: dots[m]. `count` is a literal at the call
+ * sites. */
+ALWAYS_INLINE void pairs_row(const uint16_t *x, int64_t in, int count, const uint16_t *w,
+                             float dots[PAIR_ROW_GROUP]) {
+    const int64_t body = in & ~(int64_t)(2 * PAIRS - 1);
+    __m512 lo[PAIR_ROW_GROUP], hi[PAIR_ROW_GROUP];
+    for (int m = 0; m < count; m++) lo[m] = hi[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < body; k += 2 * PAIRS) {
+        const __m512bh u = (__m512bh)_mm512_loadu_si512(w + k);
+        const __m512bh u2 = (__m512bh)_mm512_loadu_si512(w + k + PAIRS);
+        for (int m = 0; m < count; m++) {
+            lo[m] = _mm512_dpbf16_ps(lo[m], u, (__m512bh)_mm512_loadu_si512(x + m * in + k));
+            hi[m] = _mm512_dpbf16_ps(hi[m], u2,
+                                     (__m512bh)_mm512_loadu_si512(x + m * in + k + PAIRS));
+        }
+    }
+    for (int m = 0; m < count; m++) {
+        float dot = _mm512_reduce_add_ps(_mm512_add_ps(lo[m], hi[m]));
+        for (int64_t k = body; k < in; k++) dot += bf16_to_float(w[k]) * bf16_to_float(x[m * in + k]);
+        dots[m] = dot;
+    }
+}
+
+/* Weight rows [first, last), each against every row of p->x16. */
+static void pairs_slab(const Product *p, int64_t first, int64_t last) {
+    const uint16_t *weights = p->w;
+    float dots[PAIR_ROW_GROUP];
+    for (int64_t n = first; n < last; n++) {
+        const uint16_t *w = weights + n * p->in;
+        for (int64_t m = 0; m < p->rows; m += PAIR_ROW_GROUP) {
+            const int64_t count = p->rows - m < PAIR_ROW_GROUP ? p->rows - m : PAIR_ROW_GROUP;
+            const uint16_t *x = p->x16 + m * p->in;
+            switch (count) {
+            case 1: pairs_row(x, p->in, 1, w, dots); break;
+            case 2: pairs_row(x, p->in, 2, w, dots); break;
+            case 3: pairs_row(x, p->in, 3, w, dots); break;
+            default: pairs_row(x, p->in, 4, w, dots); break;
+            }
+            for (int64_t r = 0; r < count; r++) store(p, m + r, n, dots + r, 1, WEIGHTS_BFLOAT16);
+        }
+    }
+}
+#endif
+
 /* This thread's contiguous share [first, last) of `count` items, as schedule(static) splits;
  * returns whether it is the last thread's. */
 static int thread_share(int64_t count, int64_t *first, int64_t *last) {
@@ -313,6 +374,17 @@ static int thread_share(int64_t count, int64_t *first, int64_t *last) {
  * of it on an AMD EPYC Zen 4); with more, four at a time (four_outputs). The slab functions
  * are inlined with a literal kind in each case, so each kind is compiled for itself. */
 static void product(const Product *p, weight_kind kind, int num_threads) {
+#if BFLOAT16_PAIRS
+    if (kind == WEIGHTS_BFLOAT16 && p->x16 != NULL) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            int64_t first, last;
+            thread_share(p->outs, &first, &last);
+            pairs_slab(p, first, last);
+        }
+        return;
+    }
+#endif
     const int streamed = p->rows <= STREAM_MAX_ROWS;
     const int64_t items = streamed ? p->outs : p->outs / WEIGHT_ROWS;
 #pragma omp parallel num_threads(num_threads)
@@ -423,6 +495,10 @@ int bfloat16_projection_input(const uint16_t *x, int64_t rows, int64_t x_stride,
  * how many rows it beats the larger steps' matmul up to depends on it (linear_kernel.py). */
 int small_batch_linear_lanes(void) { return LANES; }
 
+/* 1 where a bfloat16 model's rows meet the weights as bfloat16 pairs (AVX-512 BF16), 0 where
+ * each weight is widened first: how many rows the kernel beats oneDNN up to (linear_kernel.py). */
+int bfloat16_small_batch_pairs(void) { return BFLOAT16_PAIRS; }
+
 /* Returns 0, or -1 when the scratch rows for f(x) cannot be allocated. w is float32, or int8
  * when scales (bfloat16, one per output) is not NULL; bias (float32, one per output) or NULL. */
 int small_batch_linear(const float *x, int64_t rows, int64_t x_stride, const float *norm_weight,
@@ -442,7 +518,7 @@ int small_batch_linear(const float *x, int64_t rows, int64_t x_stride, const flo
         x = scratch;
         x_stride = in;
     }
-    const Product p = {x, rows, x_stride, w, scales, bias, in, outs, y, accumulate};
+    const Product p = {x, NULL, rows, x_stride, w, scales, bias, in, outs, y, accumulate};
     product(&p, scales == NULL ? WEIGHTS_FLOAT32 : WEIGHTS_INT8, num_threads);
     free(scratch);
     return 0;
@@ -461,10 +537,12 @@ int bfloat16_small_batch_linear(const uint16_t *x, int64_t rows, int64_t x_strid
                                 const uint16_t *w, const uint16_t *bias, int64_t in,
                                 int64_t outs, uint16_t *y, int accumulate, int num_threads) {
     const int64_t width = gated ? 2 * in : in;
-    /* f(x) as floats [rows, in], a widened row, the norm's weight. */
-    float *inputs = malloc(sizeof(float) * (size_t)(rows * in + width + in));
+    /* f(x) as floats [rows, in], a widened row, the norm's weight; then f(x) as bfloat16. */
+    float *inputs = malloc(sizeof(float) * (size_t)(rows * in + width + in) +
+                           sizeof(uint16_t) * (size_t)(rows * in));
     if (inputs == NULL) return -1;
     float *row = inputs + rows * in, *weight = row + width;
+    uint16_t *inputs16 = (uint16_t *)(weight + in);
     if (norm_weight != NULL)
         for (int64_t k = 0; k < in; k++) weight[k] = bf16_to_float(norm_weight[k]);
     const int rounded = gated || norm_weight != NULL;
@@ -473,10 +551,12 @@ int bfloat16_small_batch_linear(const uint16_t *x, int64_t rows, int64_t x_strid
         const float *result = bfloat16_input_row(x + m * x_stride, width,
                                                  norm_weight == NULL ? NULL : weight, eps, gated,
                                                  in, row, input);
-        for (int64_t k = 0; k < in; k++)
-            input[k] = rounded ? bf16_to_float(float_to_bf16(result[k])) : result[k];
+        for (int64_t k = 0; k < in; k++) {
+            inputs16[m * in + k] = rounded ? float_to_bf16(result[k]) : x[m * x_stride + k];
+            input[k] = bf16_to_float(inputs16[m * in + k]);
+        }
     }
-    const Product p = {inputs, rows, in, w, NULL, bias, in, outs, y, accumulate};
+    const Product p = {inputs, inputs16, rows, in, w, NULL, bias, in, outs, y, accumulate};
     product(&p, WEIGHTS_BFLOAT16, num_threads);
     free(inputs);
     return 0;
