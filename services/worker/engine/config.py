@@ -77,8 +77,10 @@ class EngineConfig:
 
     small_batch_linear: str = "auto"
     """How projections of steps with few rows (batch-1 decode and the like) run: "kernel"
-    (the C matrix-vector kernel, CPU float32 only, compiled on first use), "torch" (torch's
-    matmul), or "auto" (the kernel where it applies and a C compiler is present)."""
+    (the C matrix-vector kernel, CPU float32, and a bfloat16 model's steps of up to 4 rows,
+    1 without AVX-512 BF16: linear_kernel.BFLOAT16_SMALL_MAX_ROWS; compiled on first use),
+    "torch" (torch's matmul; oneDNN for a bfloat16 model), or "auto" (the kernel where it
+    applies and a C compiler is present)."""
 
     grammar_backend: str = "xgrammar"
     """Library that compiles structured-output constraints and masks tokens: "xgrammar" or
@@ -104,8 +106,9 @@ class EngineConfig:
     for AVX-512 or AVX2, prefetching on Intel CPUs, where it was measured faster, and oneDNN
     from the rows at which the engine measures it faster when it is built (that many and
     more: layer by layer, linear_crossover.py); else oneDNN where torch has it). A bfloat16
-    model on the CPU runs every projection, of any number of rows, on oneDNN with "auto" and
-    "onednn" (linear_kernel.PackedProject), on torch's matmul with the others."""
+    model on the CPU runs the projections of its steps of more than one row on oneDNN with
+    "auto" and "onednn" (linear_kernel.PackedProject; its steps of few rows on the small-batch
+    kernel unless small_batch_linear is "torch"), on torch's matmul with the others."""
 
     keep_freed_memory: bool = True
     """On the CPU, have the C allocator keep the memory a step frees for the next step instead
