@@ -115,13 +115,8 @@ class SmallBatchLinear:
         self.crossover = crossover
         self.function = library.small_batch_linear
         self.function.restype = ctypes.c_int
-        self.function.argtypes = [
-            *(_POINTER, _INT, _INT),  # x, rows, x row stride
-            *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
-            *(_POINTER, _POINTER, _POINTER),  # weight, int8 scales (or NULL), bias (or NULL)
-            *(_INT, _INT),  # in, outs
-            *(_POINTER, ctypes.c_int, ctypes.c_int),  # y, accumulate, threads
-        ]
+        # weight, int8 scales (or NULL), bias (or NULL)
+        self.function.argtypes = small_batch_argtypes(_POINTER, _POINTER, _POINTER)
         self.input_function = library.projection_input
         self.input_function.restype = None
         self.input_function.argtypes = _INPUT_ARGTYPES
@@ -166,29 +161,14 @@ class SmallBatchLinear:
                     x = projection_input(x, norm, gated)
                     return transposed_product(weight, x, residual, bias)
             return project_with_torch(module, x, norm=norm, gated=gated, residual=residual)
-        x, y = kernel_operands(module, weight, x, norm, gated, residual)
-        outs, ins = weight.shape
-        # No torch.profiler.record_function around the call: at ~8 us it would cost a third
-        # of a batch-1 projection's time outside the matmul.
-        status = self.function(
-            x.data_ptr(),
-            x.shape[0],
-            x.stride(0),
-            None if norm is None else norm.weight.data_ptr(),
-            0.0 if norm is None else norm.eps,
-            gated,
+        pointers = (
             weight.data_ptr(),
             None if scales is None else scales.data_ptr(),
             None if bias is None else bias.data_ptr(),
-            ins,
-            outs,
-            y.data_ptr(),
-            residual is not None,
-            self.num_threads,
         )
-        if status != 0:
-            raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
-        return y
+        return run_small_batch(
+            self.function, module, weight, pointers, x, norm, gated, residual, self.num_threads
+        )
 
     def projection_input(self, x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
         """f(x) of a Project in one pass of the kernel's library (torch's RMSNorm is six
@@ -196,6 +176,61 @@ class SmallBatchLinear:
         if norm is None and not gated:
             return x
         return library_projection_input(self.input_function, x, norm, gated, self.num_threads)
+
+
+def small_batch_argtypes(*weights: Any) -> list[Any]:
+    """The argtypes of the library's small-batch products, `weights` the types of their
+    weight arguments (the weight, then the float32 kernel's int8 scales, and the bias)."""
+    return [
+        *(_POINTER, _INT, _INT),  # x, rows, x row stride
+        *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
+        *weights,
+        *(_INT, _INT),  # in, outs
+        *(_POINTER, ctypes.c_int, ctypes.c_int),  # y, accumulate, threads
+    ]
+
+
+def run_small_batch(
+    function: Callable[..., int],
+    module: nn.Module,
+    weight: torch.Tensor,
+    pointers: tuple[int | None, ...],
+    x: torch.Tensor,
+    norm: RMSNorm | None,
+    gated: bool,
+    residual: torch.Tensor | None,
+    num_threads: int,
+) -> torch.Tensor:
+    """y = f(x) W^T (+ residual, in place) by one of the library's small-batch products:
+    `pointers` its weight arguments (small_batch_argtypes)."""
+    x, y = kernel_operands(module, weight, x, norm, gated, residual)
+    outs, ins = weight.shape
+    # No torch.profiler.record_function around the call: at ~8 us it would cost a third
+    # of a batch-1 projection's time outside the matmul.
+    status = function(
+        *row_arguments(x, norm, gated),
+        *pointers,
+        ins,
+        outs,
+        y.data_ptr(),
+        residual is not None,
+        num_threads,
+    )
+    if status != 0:
+        raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
+    return y
+
+
+def row_arguments(x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> tuple[Any, ...]:
+    """The arguments every function of the library starts with: the rows of x, and f."""
+    return (
+        x.data_ptr(),
+        x.shape[0],
+        x.stride(0),
+        None if norm is None else norm.weight.data_ptr(),
+        0.0 if norm is None else norm.eps,
+        gated,
+    )
 
 
 def kernel_operands(
@@ -238,12 +273,7 @@ def library_projection_input(
     width = x.shape[1] // 2 if gated else x.shape[1]
     out = x.new_empty(x.shape[0], width)
     failed = function(
-        x.data_ptr(),
-        x.shape[0],
-        x.stride(0),
-        None if norm is None else norm.weight.data_ptr(),
-        0.0 if norm is None else norm.eps,
-        gated,
+        *row_arguments(x, norm, gated),
         width,
         out.data_ptr(),
         num_threads,
@@ -366,12 +396,8 @@ class PackedProject:
             self.input_function.argtypes = _INPUT_ARGTYPES
         if self.small_function is not None:
             self.small_function.restype = ctypes.c_int
-            self.small_function.argtypes = [
-                *(_POINTER, _INT, _INT),  # x, rows, x row stride
-                *(_POINTER, ctypes.c_float, ctypes.c_int),  # norm weight (or NULL), eps, gated
-                *(_POINTER, _POINTER, _INT, _INT),  # weight, bias (or NULL), in, outs
-                *(_POINTER, ctypes.c_int, ctypes.c_int),  # y, accumulate, threads
-            ]
+            # weight, bias (or NULL)
+            self.small_function.argtypes = small_batch_argtypes(_POINTER, _POINTER)
 
     def __call__(
         self,
@@ -429,26 +455,18 @@ class PackedProject:
         residual: torch.Tensor | None,
     ) -> torch.Tensor:
         assert self.small_function is not None
-        x, y = kernel_operands(module, weight, x, norm, gated, residual)
-        outs, ins = weight.shape
-        status = self.small_function(
-            x.data_ptr(),
-            x.shape[0],
-            x.stride(0),
-            None if norm is None else norm.weight.data_ptr(),
-            0.0 if norm is None else norm.eps,
+        pointers = (weight.data_ptr(), None if bias is None else bias.data_ptr())
+        return run_small_batch(
+            self.small_function,
+            module,
+            weight,
+            pointers,
+            x,
+            norm,
             gated,
-            weight.data_ptr(),
-            None if bias is None else bias.data_ptr(),
-            ins,
-            outs,
-            y.data_ptr(),
-            residual is not None,
+            residual,
             self.num_threads,
         )
-        if status != 0:
-            raise MemoryError("the small-batch linear kernel could not allocate its scratch rows")
-        return y
 
     def projection_input(self, x: torch.Tensor, norm: RMSNorm | None, gated: bool) -> torch.Tensor:
         """f(x) of a Project: in one pass of the library for bfloat16 rows, else torch's ops."""
