@@ -66,7 +66,7 @@ class EngineConfig:
 
     prefill_attention: str = "auto"
     """How prefill chunks attend: "kernel" (the C kernel reading the chunk's whole context
-    through its block table, CPU float32 only, compiled on first use), "sdpa" (torch's
+    through its block table, CPU float32 or bfloat16, compiled on first use), "sdpa" (torch's
     attention: flash attention on CPU, the prefix gathered), or "auto" (the kernel where it
     applies and a C compiler is present, else SDPA)."""
 

@@ -16,12 +16,10 @@ import functools
 
 import torch
 
-from services.worker.engine.kernel_build import choose_kernel, load_library, profiled
+from services.worker.engine.kernel_build import KV_BUILDS, choose_kernel, load_library, profiled
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
-# The kernel's build for each KV cache dtype: the macros it is compiled with.
-BUILDS: dict[torch.dtype, tuple[str, ...]] = {torch.float32: (), torch.bfloat16: ("KV_BFLOAT16",)}
 
 
 class DecodeKernel:
@@ -87,7 +85,7 @@ def choose_decode_kernel(
         device,
         dtype,
         lambda: load_decode_kernel(num_threads, dtype),
-        dtypes=tuple(BUILDS),
+        dtypes=tuple(KV_BUILDS),
     )
 
 
@@ -95,4 +93,4 @@ def choose_decode_kernel(
 def load_decode_kernel(num_threads: int, dtype: torch.dtype = torch.float32) -> DecodeKernel:
     """The kernel for a cache of `dtype`, compiled on first use (KernelUnavailable when it
     cannot be)."""
-    return DecodeKernel(load_library("paged_decode_attention", BUILDS[dtype]), num_threads)
+    return DecodeKernel(load_library("paged_decode_attention", KV_BUILDS[dtype]), num_threads)

@@ -45,6 +45,13 @@ CFLAGS = (
 
 Kernel = TypeVar("Kernel")
 
+# The build of a kernel reading the KV cache (paged_decode_attention.c,
+# paged_prefill_attention.c) for each cache dtype: the macros it is compiled with.
+KV_BUILDS: dict[torch.dtype, tuple[str, ...]] = {
+    torch.float32: (),
+    torch.bfloat16: ("KV_BFLOAT16",),
+}
+
 
 class KernelUnavailable(RuntimeError):
     """A kernel cannot be built or loaded here (no C compiler, or it failed)."""

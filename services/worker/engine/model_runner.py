@@ -85,7 +85,8 @@ class ModelRunner:
     ) -> None:
         """decode_kernel: attends the decode rows when given (CPU float32 or bfloat16); SDPA
         otherwise.
-        prefill_kernel: attends each prefill chunk when given (CPU float32); SDPA otherwise.
+        prefill_kernel: attends each prefill chunk when given (CPU float32 or bfloat16); SDPA
+        otherwise.
         rope_store_kernel: rotates each layer's Q/K and stores its K/V when given (CPU
         float32); torch's ops otherwise.
         linear_kernel: runs the projections of steps with few rows when given (CPU float32),

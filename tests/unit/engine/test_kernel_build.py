@@ -55,7 +55,12 @@ def test_every_kernel_source_is_built() -> None:
             "sdpa",
             "float32 and bfloat16",
         ),
-        (choose_prefill_kernel, load_prefill_kernel, "sdpa", "float32"),
+        (
+            choose_prefill_kernel,
+            lambda threads, dtype=torch.float32: load_prefill_kernel(threads, dtype),
+            "sdpa",
+            "float32 and bfloat16",
+        ),
         (choose_rope_store_kernel, load_rope_store_kernel, "torch", "float32"),
         (
             choose_linear_kernel,
@@ -70,7 +75,7 @@ def test_choice_follows_the_mode_and_the_tensors(
 ) -> None:
     assert choose(fallback, CPU, torch.float32, 1) is None
     assert choose("auto", CPU, torch.float32, 1) is load(1)
-    # The decode kernel reads a bfloat16 model's cache with a build of its own.
+    # The attention kernels read a bfloat16 model's cache with builds of their own.
     bfloat16 = choose("auto", CPU, torch.bfloat16, 1)
     assert bfloat16 is (load(1, torch.bfloat16) if "bfloat16" in dtypes else None)
     assert choose("auto", torch.device("cuda"), torch.float32, 1) is None

@@ -67,6 +67,31 @@ def test_kernel_matches_plain_attention(
     )
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("prefix", "chunk", "window"), [(0, 150, 0), (130, 70, 0), (40, 100, 24)])
+def test_bfloat16_build_is_the_float32_one_on_the_widened_caches(
+    threads: int, prefix: int, chunk: int, window: int
+) -> None:
+    """A bfloat16 cache read by its own build: bit for bit the float32 build's output on the
+    same caches and queries widened to float32 beforehand (then rounded to q's bfloat16), so a
+    key or value misread, or a block missed, shows; and close to plain attention."""
+    generator = torch.Generator().manual_seed(prefix + chunk + threads)
+    keys, values, table = paged_context(generator, prefix + chunk, 3, 64)
+    keys, values = keys.bfloat16(), values.bfloat16()
+    q = torch.randn(chunk, 12, 64, generator=generator).bfloat16()[:, :9]  # rows strided
+    blocks = torch.tensor(table)
+
+    got = load_prefill_kernel(threads, torch.bfloat16)(q, keys, values, blocks, prefix, window)
+    widened = load_prefill_kernel(threads)(
+        q.float(), keys.float(), values.float(), blocks, prefix, window
+    )
+
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, widened.bfloat16())
+    reference_out = expected(q.float(), keys.float(), values.float(), table, prefix, window)
+    torch.testing.assert_close(got.float(), reference_out, atol=1e-2, rtol=1e-2)
+
+
 def test_large_scores_stay_finite_and_exact() -> None:
     """Scores past e^x's float range (std ~25, max > 88: a running max that jumps from tile
     to tile) neither overflow nor lose accuracy; fp32 scores this large carry ~3e-5 of

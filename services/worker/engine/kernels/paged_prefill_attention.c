@@ -21,14 +21,28 @@
  *   out          [chunk, heads, head_dim], contiguous
  * Query i sits at position prefix_len + i and attends to positions [first, prefix_len + i],
  * first = 0, or with window > 0 (a sliding window) its last `window` positions only.
+ *
+ * Built with -DKV_BFLOAT16 (a library of its own, kernel_build.build's defines), the caches hold
+ * bfloat16 (a bfloat16 model's): each K/V element is widened to the float32 it stands for as it
+ * is packed, and everything after that is this same float32 code, so its result is bit for bit
+ * the float32 build's on the caches widened beforehand.
  */
 #include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "bfloat16.h"
 #include "exp_approx.h"
 #include "in_register.h"
+
+#if defined(KV_BFLOAT16)
+typedef uint16_t kv_t;
+static inline float kv_value(kv_t x) { return bf16_to_float(x); }
+#else
+typedef float kv_t;
+static inline float kv_value(kv_t x) { return x; }
+#endif
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -108,7 +122,7 @@ typedef struct {
 
 /* Packs key tile `tile` of KV head `kv_head` (its keys [tile * KEY_TILE, + KEY_TILE), zeros
  * past the context). */
-static void pack_tile(const PackedHead *packed, const float *key_cache, const float *value_cache,
+static void pack_tile(const PackedHead *packed, const kv_t *key_cache, const kv_t *value_cache,
                       const int64_t *table, int64_t first, int64_t context, int64_t kv_head,
                       int64_t tile, int64_t head_dim, int64_t dim_pad, int64_t block_size,
                       int64_t token_stride) {
@@ -123,9 +137,9 @@ static void pack_tile(const PackedHead *packed, const float *key_cache, const fl
         }
         const int64_t offset = (table[position / block_size] * block_size + position % block_size)
                                    * token_stride + kv_head * head_dim;
-        const float *key = key_cache + offset;
-        for (int64_t d = 0; d < head_dim; d++) keys_t[d * KEY_TILE + j] = key[d];
-        memcpy(value, value_cache + offset, sizeof(float) * head_dim);
+        const kv_t *key = key_cache + offset, *cached_value = value_cache + offset;
+        for (int64_t d = 0; d < head_dim; d++) keys_t[d * KEY_TILE + j] = kv_value(key[d]);
+        for (int64_t d = 0; d < head_dim; d++) value[d] = kv_value(cached_value[d]);
         memset(value + head_dim, 0, sizeof(float) * (dim_pad - head_dim));
     }
 }
@@ -351,8 +365,8 @@ static void query_tile(Scratch *s, const PackedHead *packed, const float *q,
 }
 
 /* Returns 0, or -1 when scratch memory could not be allocated. */
-int paged_prefill_attention(const float *q, int64_t q_row_stride, const float *key_cache,
-                            const float *value_cache, const int64_t *block_table, float *out,
+int paged_prefill_attention(const float *q, int64_t q_row_stride, const kv_t *key_cache,
+                            const kv_t *value_cache, const int64_t *block_table, float *out,
                             int64_t chunk, int64_t prefix_len, int64_t heads, int64_t kv_heads,
                             int64_t head_dim, int64_t block_size, int64_t window, float scale,
                             int threads) {
