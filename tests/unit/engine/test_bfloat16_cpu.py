@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from services.worker.engine.api import FinishReason, SamplingParams
 from services.worker.engine.kernel_build import load_library
@@ -38,6 +39,20 @@ PROMPT_LENGTHS = (5, 17, 33, 64, 3, 40, 9, 24)
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     difference = got.detach().double() - expected.detach().double()
     return float(difference.norm() / expected.detach().double().norm())
+
+
+def bfloat16_case(
+    ins: int, outs: int, rows: int, fused: str, weight_seed: int, seed: int
+) -> tuple[nn.Linear, FusedCall]:
+    """A projection and its call (test_linear_kernel's), every tensor in bfloat16."""
+    module = linear(ins, outs, torch.Generator().manual_seed(weight_seed), bias="bias" in fused)
+    call = FusedCall.of(ins, outs, rows, fused, seed=seed)
+    call.x = call.x.to(torch.bfloat16)
+    if call.norm is not None:
+        call.norm = call.norm.to(torch.bfloat16)
+    if call.residual is not None:
+        call.residual = call.residual.to(torch.bfloat16)
+    return module.to(torch.bfloat16), call
 
 
 @pytest.mark.parametrize(
@@ -73,14 +88,7 @@ def test_each_projection_matches_its_definition_within_bfloat16_rounding(
     """Against the definition computed in float64 from the same bfloat16 tensors: within 1%
     (bfloat16 keeps 8 bits of each input and of the result); a weight read transposed or a
     bias or residual left out would be off by about 100%."""
-    module = linear(576, 960, torch.Generator().manual_seed(rows), bias="bias" in fused)
-    module = module.to(torch.bfloat16)
-    call = FusedCall.of(576, 960, rows, fused, seed=rows + 1)
-    call.x = call.x.to(torch.bfloat16)
-    if call.norm is not None:
-        call.norm = call.norm.to(torch.bfloat16)
-    if call.residual is not None:
-        call.residual = call.residual.to(torch.bfloat16)
+    module, call = bfloat16_case(576, 960, rows, fused, weight_seed=rows, seed=rows + 1)
     project = PackedProject(load_library("small_batch_linear"), 2)
     got = call.run(project, module)
     assert got.dtype == torch.bfloat16
@@ -113,14 +121,7 @@ def test_small_steps_stream_what_onednn_computes(
     and round once; the residual is added after). In bfloat16 pairs (AVX-512 BF16) and
     widened (weight rows streamed up to 3 rows, then four at a time, with tails of fewer than
     four and a thread with no group of four); rows of whole and part pair vectors."""
-    module = linear(ins, outs, torch.Generator().manual_seed(outs), bias="bias" in fused)
-    module = module.to(torch.bfloat16)
-    call = FusedCall.of(ins, outs, rows, fused, seed=rows * 100 + outs)
-    call.x = call.x.to(torch.bfloat16)
-    if call.norm is not None:
-        call.norm = call.norm.to(torch.bfloat16)
-    if call.residual is not None:
-        call.residual = call.residual.to(torch.bfloat16)
+    module, call = bfloat16_case(ins, outs, rows, fused, weight_seed=outs, seed=rows * 100 + outs)
     library = load_library("small_batch_linear", defines)
     streamed = PackedProject(library, threads, small_max_rows=8)  # more than by default
     onednn = PackedProject(library, threads, small_max_rows=0)

@@ -333,7 +333,8 @@ ALWAYS_INLINE void pairs_row(const uint16_t *x, int64_t in, int count, const uin
     }
     for (int m = 0; m < count; m++) {
         float dot = _mm512_reduce_add_ps(_mm512_add_ps(lo[m], hi[m]));
-        for (int64_t k = body; k < in; k++) dot += bf16_to_float(w[k]) * bf16_to_float(x[m * in + k]);
+        for (int64_t k = body; k < in; k++)
+            dot += bf16_to_float(w[k]) * bf16_to_float(x[m * in + k]);
         dots[m] = dot;
     }
 }
@@ -545,14 +546,14 @@ int bfloat16_small_batch_linear(const uint16_t *x, int64_t rows, int64_t x_strid
     uint16_t *inputs16 = (uint16_t *)(weight + in);
     if (norm_weight != NULL)
         for (int64_t k = 0; k < in; k++) weight[k] = bf16_to_float(norm_weight[k]);
-    const int rounded = gated || norm_weight != NULL;
     for (int64_t m = 0; m < rows; m++) {
         float *input = inputs + m * in;
         const float *result = bfloat16_input_row(x + m * x_stride, width,
                                                  norm_weight == NULL ? NULL : weight, eps, gated,
                                                  in, row, input);
         for (int64_t k = 0; k < in; k++) {
-            inputs16[m * in + k] = rounded ? float_to_bf16(result[k]) : x[m * x_stride + k];
+            /* f(x) rounded once; the row itself (no f) is its own bfloat16 again. */
+            inputs16[m * in + k] = float_to_bf16(result[k]);
             input[k] = bf16_to_float(inputs16[m * in + k]);
         }
     }
