@@ -60,6 +60,7 @@
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t lane_index __attribute__((vector_size(LANES * sizeof(int32_t))));
 
+#include "bfloat16_vector.h"
 #include "vector_ops.h"
 
 static inline vec load(const float *p) {
@@ -72,18 +73,9 @@ static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
 #if defined(KV_BFLOAT16)
 typedef uint16_t kv_t;
-typedef uint16_t kv_lanes __attribute__((vector_size(LANES * sizeof(uint16_t))));
-typedef uint32_t wide_lanes __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
-/* LANES cache elements, each widened to its float32 (a bfloat16 is a float32's top half). */
-static inline vec load_kv(const kv_t *p) {
-    kv_lanes narrow;
-    memcpy(&narrow, p, sizeof narrow);
-    const wide_lanes wide = __builtin_convertvector(narrow, wide_lanes) << 16;
-    vec v;
-    memcpy(&v, &wide, sizeof v);
-    return v;
-}
+/* LANES cache elements, each widened to its float32. */
+static inline vec load_kv(const kv_t *p) { return bfloat16_vector(p); }
 
 static inline float kv_value(kv_t x) { return bf16_to_float(x); }
 #else

@@ -49,6 +49,8 @@
 #endif
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
+#include "bfloat16_vector.h"
+
 typedef int8_t vecq __attribute__((vector_size(LANES)));
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -71,24 +73,9 @@ ALWAYS_INLINE int64_t weight_bytes(weight_kind kind) {
                                    : (int64_t)sizeof(uint16_t);
 }
 
-/* LANES bfloat16 values widened to floats: each one's bits are its float's upper half. */
-ALWAYS_INLINE vec bfloat16v(const uint16_t *p) {
-#if defined(__AVX512F__)
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return (vec)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-#elif defined(__AVX2__)
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return (vec)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-#else
-    vec v;
-    for (int i = 0; i < LANES; i++) v[i] = bf16_to_float(p[i]);
-    return v;
-#endif
-}
-
 ALWAYS_INLINE vec weightsv(const void *w, int64_t index, weight_kind kind) {
     if (kind == WEIGHTS_FLOAT32) return loadv((const float *)w + index);
-    if (kind == WEIGHTS_BFLOAT16) return bfloat16v((const uint16_t *)w + index);
+    if (kind == WEIGHTS_BFLOAT16) return bfloat16_vector((const uint16_t *)w + index);
     /* GCC turns the generic conversion (the last branch) into one conversion per lane. */
 #if defined(__AVX512F__)
     const __m128i q = _mm_loadu_si128((const __m128i *)((const int8_t *)w + index));
