@@ -72,8 +72,8 @@ class EngineConfig:
 
     rope_store: str = "auto"
     """How each layer rotates its new Q/K (RoPE) and writes its K/V into the cache: "kernel"
-    (one C pass, CPU float32 only, compiled on first use), "torch" (torch's ops), or "auto"
-    (the kernel where it applies and a C compiler is present)."""
+    (one C pass, CPU float32 or bfloat16, compiled on first use), "torch" (torch's ops), or
+    "auto" (the kernel where it applies and a C compiler is present)."""
 
     small_batch_linear: str = "auto"
     """How projections of steps with few rows (batch-1 decode and the like) run: "kernel"

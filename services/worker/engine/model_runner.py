@@ -88,7 +88,7 @@ class ModelRunner:
         prefill_kernel: attends each prefill chunk when given (CPU float32 or bfloat16); SDPA
         otherwise.
         rope_store_kernel: rotates each layer's Q/K and stores its K/V when given (CPU
-        float32); torch's ops otherwise.
+        float32 or bfloat16); torch's ops otherwise.
         linear_kernel: runs the projections of steps with few rows when given (CPU float32),
         on the weights it streams moved onto huge pages (linear_kernel.place_weights), as are
         a PackedProject's that streams some steps' weights itself.

@@ -4,7 +4,9 @@ Each layer rotates its new Q/K heads and writes the new K/V into the paged cache
 that is six small ops for the rotation (a complex product through views, and a copy back) and
 two index_copy_ calls: at batch sizes of decoding, each costs more in dispatch than in
 arithmetic, 30 times a step. The kernel does both in one pass over the fused Q/K/V rows,
-rotating them in place. kernel_build.py compiles and caches it.
+rotating them in place, torch's numbers to the bit. kernel_build.py compiles and caches it; a
+bfloat16 model's Q/K/V and cache take a build of their own (KV_BFLOAT16), which rotates each
+pair in float32 and rounds it once back, as torch's path does.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import functools
 
 import torch
 
-from services.worker.engine.kernel_build import choose_kernel, load_library
+from services.worker.engine.kernel_build import KV_BUILDS, choose_kernel, load_library
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -43,7 +45,8 @@ class RopeStoreKernel:
         slots [T] int64; key/value_slots [slots, kv_heads, dim] contiguous get row t's K and V
         at slots[t].
 
-        The caller guarantees the shapes (the layer builds them); ctypes cannot check."""
+        The caller guarantees the shapes and that qkv and the slots are of the dtype the kernel
+        was built for (the layer builds them); ctypes cannot check."""
         pairs = torch.view_as_real(rotations)  # [T, 1, dim / 2, 2], (cos, sin)
         tokens, width, head_dim = qkv.shape
         self.function(
@@ -66,10 +69,18 @@ def choose_rope_store_kernel(
 ) -> RopeStoreKernel | None:
     """The kernel for EngineConfig.rope_store ("auto" | "kernel" | "torch"), or None for
     torch's ops (see kernel_build.choose_kernel)."""
-    return choose_kernel(mode, "torch", device, dtype, lambda: load_rope_store_kernel(num_threads))
+    return choose_kernel(
+        mode,
+        "torch",
+        device,
+        dtype,
+        lambda: load_rope_store_kernel(num_threads, dtype),
+        dtypes=tuple(KV_BUILDS),
+    )
 
 
 @functools.cache
-def load_rope_store_kernel(num_threads: int) -> RopeStoreKernel:
-    """The kernel, compiled on first use (KernelUnavailable when it cannot be)."""
-    return RopeStoreKernel(load_library("rope_and_store"), num_threads)
+def load_rope_store_kernel(num_threads: int, dtype: torch.dtype = torch.float32) -> RopeStoreKernel:
+    """The kernel for Q/K/V and a cache of `dtype`, compiled on first use (KernelUnavailable
+    when it cannot be)."""
+    return RopeStoreKernel(load_library("rope_and_store", KV_BUILDS[dtype]), num_threads)

@@ -61,7 +61,12 @@ def test_every_kernel_source_is_built() -> None:
             "sdpa",
             "float32 and bfloat16",
         ),
-        (choose_rope_store_kernel, load_rope_store_kernel, "torch", "float32"),
+        (
+            choose_rope_store_kernel,
+            lambda threads, dtype=torch.float32: load_rope_store_kernel(threads, dtype),
+            "torch",
+            "float32 and bfloat16",
+        ),
         (
             choose_linear_kernel,
             lambda threads: load_linear_kernel(threads, "auto"),
@@ -75,7 +80,7 @@ def test_choice_follows_the_mode_and_the_tensors(
 ) -> None:
     assert choose(fallback, CPU, torch.float32, 1) is None
     assert choose("auto", CPU, torch.float32, 1) is load(1)
-    # The attention kernels read a bfloat16 model's cache with builds of their own.
+    # The kernels that read or write the KV cache have a bfloat16 model's build of their own.
     bfloat16 = choose("auto", CPU, torch.bfloat16, 1)
     assert bfloat16 is (load(1, torch.bfloat16) if "bfloat16" in dtypes else None)
     assert choose("auto", torch.device("cuda"), torch.float32, 1) is None
