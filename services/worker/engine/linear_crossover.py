@@ -6,7 +6,8 @@ step); on an Intel Xeon with AMX (family 6 model 167, 2 cores) oneDNN took 0.89x
 kernel's time for a 512-token prefill step and 0.93x for 1,024 tokens, 0.97x at 256, and on
 another Intel Xeon (model 207) 0.98x at 1,024. No rule by vendor or vector width fits every
 CPU measured, so "auto" measures: when the engine is built, the projections of the model's
-first layer run on both products at CANDIDATE_ROWS rows, alternated, the best of REPEATS each,
+first layer run on both products at CANDIDATE_ROWS rows (a bfloat16 model's at
+BFLOAT16_CANDIDATE_ROWS), alternated, the best of REPEATS each,
 and oneDNN takes the layers' projections from the smallest candidate at which it ran them
 more than MARGIN faster and at every larger candidate (none: the panel kernel keeps them
 all). A step of that many rows runs layer by layer (the runner's choice), so one count for
@@ -34,6 +35,11 @@ CANDIDATE_ROWS = (256, 512, 1024)
 """Row counts measured: below the smallest the panel kernel's steps won on every CPU tried
 (at 128 rows on the model 167 Xeon a step took 0.85x oneDNN's time, though oneDNN ran the
 projections alone 0.90x as long)."""
+BFLOAT16_CANDIDATE_ROWS = (8, 32, 128, 512)
+"""Row counts measured for a bfloat16 model, whose steps all run layer by layer: from the
+decode sizes, where oneDNN's AMX code may already be the faster one (the panel kernel's
+bfloat16 build runs AVX-512 BF16; on an AMD EPYC Zen 4, without AMX, it took 0.68-0.87x
+oneDNN's time at 8-32 rows and tied from 128)."""
 REPEATS = 3
 """Runs of each product at each candidate; the fastest counts (the least disturbed)."""
 MARGIN = 0.10
@@ -55,6 +61,8 @@ class Crossover:
     """The panel kernel (PanelLinear)."""
     packed: LaidOutLinear
     """oneDNN on its reordered copies (PackedLinear)."""
+    candidate_rows: tuple[int, ...] = CANDIDATE_ROWS
+    """The row counts measured, ascending."""
     from_rows: dict[Shape, int | None] = field(default_factory=dict)
     """The measured shapes: the fewest rows oneDNN takes, or None where it takes none."""
 
@@ -96,14 +104,14 @@ class Crossover:
     def _measure(self, weights: Sequence[torch.Tensor]) -> int | None:
         products = (self.panels, self.packed)
         panel_s, packed_s = [], []
-        for rows in CANDIDATE_ROWS:
+        for rows in self.candidate_rows:
             inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
             for product in products:
                 _seconds(product, weights, inputs)  # its copies made, and warm, untimed
             runs = [[_seconds(p, weights, inputs) for p in products] for _ in range(REPEATS)]
             panel_s.append(min(run[0] for run in runs))
             packed_s.append(min(run[1] for run in runs))
-        return first_faster_rows(CANDIDATE_ROWS, panel_s, packed_s, MARGIN)
+        return first_faster_rows(self.candidate_rows, panel_s, packed_s, MARGIN)
 
 
 def first_faster_rows(

@@ -30,8 +30,13 @@ import torch
 from torch import nn
 
 from services.worker.engine.huge_pages import huge_page_bytes
-from services.worker.engine.kernel_build import choose_kernel, cpu_vendor, load_library
-from services.worker.engine.linear_crossover import Crossover
+from services.worker.engine.kernel_build import (
+    KernelUnavailable,
+    choose_kernel,
+    cpu_vendor,
+    load_library,
+)
+from services.worker.engine.linear_crossover import BFLOAT16_CANDIDATE_ROWS, Crossover
 from services.worker.engine.models.llama import RMSNorm, project_with_torch, projection_input
 from services.worker.engine.quant import Int8Linear
 
@@ -78,6 +83,11 @@ TRANSPOSED_MAX_ROWS = 128
 # 15.1, 8 rows 19.9 vs 18.4; widened 1 row 11.6 vs 18.1, 2 rows 18.8 vs 19.3, 3 rows 21.5 vs
 # 17.2 (three instructions a weight vector bound it by arithmetic from 2 rows).
 BFLOAT16_SMALL_MAX_ROWS = {True: 4, False: 1}
+# The same where the larger steps run on the panel kernel's bfloat16 build (AVX-512 BF16, so
+# in pairs): whole decode steps (300-token contexts, AMD EPYC Zen 4, 2 cores, min of 9
+# alternated), small-batch kernel against the panel kernel: 2 rows 11.7 vs 13.3 ms, 3 rows
+# 12.5 vs 14.1, 4 rows 17.9 vs 15.0.
+BFLOAT16_SMALL_MAX_ROWS_BESIDE_PANELS = 3
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -372,23 +382,36 @@ class PackedProject:
     1.0x. Its norm or SwiGLU runs in one pass of the small-batch kernel's library where it is
     given (bfloat16_projection_input), else as torch's ops; and where it is given, steps of
     up to small_max_rows rows run there whole (bfloat16_small_batch_linear), the weights
-    streamed as they are stored, which oneDNN's code reads far slower at so few rows."""
+    streamed as they are stored, which oneDNN's code reads far slower at so few rows. Where
+    the panel kernel's bfloat16 build is given (AVX-512 BF16), the larger steps run on it
+    below the rows from which oneDNN measures faster (`crossover`, calibrated by the
+    runner)."""
 
     def __init__(
         self,
         library: ctypes.CDLL | None = None,
         num_threads: int = 1,
         small_max_rows: int | None = None,
+        panels: PanelLinear | None = None,
     ) -> None:
         """small_max_rows: the most rows the library computes whole (by default
-        BFLOAT16_SMALL_MAX_ROWS for how the library was built)."""
+        BFLOAT16_SMALL_MAX_ROWS for how the library was built, or
+        BFLOAT16_SMALL_MAX_ROWS_BESIDE_PANELS with panels). panels: the panel kernel's
+        bfloat16 build, for the larger steps."""
         self.product = PackedLinear()
+        self.crossover = (
+            None
+            if panels is None
+            else Crossover(panels, self.product, candidate_rows=BFLOAT16_CANDIDATE_ROWS)
+        )
         self.num_threads = num_threads
-        if small_max_rows is None:
+        if small_max_rows is None and library is not None:
             small_max_rows = (
-                0 if library is None else BFLOAT16_SMALL_MAX_ROWS[bfloat16_pairs(library)]
+                BFLOAT16_SMALL_MAX_ROWS[bfloat16_pairs(library)]
+                if panels is None
+                else BFLOAT16_SMALL_MAX_ROWS_BESIDE_PANELS
             )
-        self.small_max_rows = small_max_rows
+        self.small_max_rows = small_max_rows or 0
         self.input_function = None if library is None else library.bfloat16_projection_input
         self.small_function = None if library is None else library.bfloat16_small_batch_linear
         if self.input_function is not None:
@@ -414,7 +437,23 @@ class PackedProject:
         if self._streams(x, weight, bias, norm, residual):
             return self._stream(module, weight, bias, x, norm, gated, residual)
         x = self.projection_input(x, norm, gated)
-        return self.product(weight, x, residual, bias)
+        return self._large_product(weight, bias, x, residual)(weight, x, residual, bias)
+
+    def _large_product(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> LaidOutLinear:
+        """The panel kernel where it is given, every operand is bfloat16 and the crossover
+        keeps these rows on it; else oneDNN."""
+        tensors = (weight, x, bias, residual)
+        if self.crossover is None or any(
+            t is not None and t.dtype != torch.bfloat16 for t in tensors
+        ):
+            return self.product
+        return self.crossover.product(weight, x.shape[0])
 
     @property
     def streams_weights(self) -> bool:
@@ -497,26 +536,55 @@ def choose_bfloat16_project(
         lambda: load_library("small_batch_linear"),
         dtypes=(torch.bfloat16,),
     )
-    return PackedProject(library, num_threads)
+    panels = bfloat16_panels(num_threads) if large_mode == "auto" else None
+    return PackedProject(library, num_threads, panels=panels)
+
+
+def bfloat16_panels(num_threads: int) -> PanelLinear | None:
+    """The panel kernel's bfloat16 build where the kernels are built for AVX-512 BF16, else
+    None (oneDNN alone; a panel library that cannot be built is logged by the float32
+    models' choice, not here)."""
+    try:
+        library = load_library("panel_linear")
+    except KernelUnavailable:
+        return None
+    library.panel_linear_bfloat16_built.restype = ctypes.c_int
+    if not library.panel_linear_bfloat16_built():
+        return None
+    return PanelLinear(library, num_threads, dtype=torch.bfloat16)
 
 
 class PanelLinear(LaidOutLinear):
     """x W^T by the panel kernel (kernels/panel_linear.c) on W packed once (on first use)
     into panels of output columns."""
 
-    def __init__(self, library: ctypes.CDLL, num_threads: int, prefetch: bool = False) -> None:
+    def __init__(
+        self,
+        library: ctypes.CDLL,
+        num_threads: int,
+        prefetch: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         """prefetch: the kernel's streaming variant (panel_linear_prefetching): each thread
         asks for its next panel while it runs the current one, and the rows go in blocks that
-        stay in L2."""
+        stay in L2. dtype: the operands', float32 or bfloat16 (the kernel's build for a
+        bfloat16 model, panel_linear_bfloat16: AVX-512 BF16 only, not streaming; its panels
+        hold pairs of inputs, an odd count padded)."""
+        bfloat16 = dtype == torch.bfloat16
+        if bfloat16 and prefetch:
+            raise ValueError("the panel kernel's bfloat16 build does not prefetch")
         self.prefetch = prefetch
-        self.function = library.panel_linear_prefetching if prefetch else library.panel_linear
+        if bfloat16:
+            self.function = library.panel_linear_bfloat16
+        else:
+            self.function = library.panel_linear_prefetching if prefetch else library.panel_linear
         self.function.restype = None
         self.function.argtypes = [
             *(_POINTER, _INT, _INT, _INT),  # x, rows, x row stride, ins
             *(_POINTER, _POINTER, _INT),  # panels, bias (or NULL), outs
             *(_POINTER, ctypes.c_int, ctypes.c_int),  # y, accumulate, threads
         ]
-        pack = library.panel_linear_pack
+        pack = library.panel_linear_bfloat16_pack if bfloat16 else library.panel_linear_pack
         pack.restype = None
         pack.argtypes = [_POINTER, _INT, _INT, _POINTER]  # weight, outs, ins, panels
         library.panel_linear_width.restype = ctypes.c_int
@@ -524,7 +592,8 @@ class PanelLinear(LaidOutLinear):
 
         def packed(weight: torch.Tensor) -> torch.Tensor:
             outs, ins = weight.shape
-            panels = weight.new_empty(-(-outs // width) * ins * width)
+            depth = ins + ins % 2 if bfloat16 else ins
+            panels = weight.new_empty(-(-outs // width) * depth * width)
             pack(weight.contiguous().data_ptr(), outs, ins, panels.data_ptr())
             return panels
 

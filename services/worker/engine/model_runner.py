@@ -33,6 +33,7 @@ from services.worker.engine.decode_layers_kernel import (
 )
 from services.worker.engine.huge_pages import huge_page_bytes
 from services.worker.engine.kernel_build import KernelUnavailable
+from services.worker.engine.linear_crossover import Crossover
 from services.worker.engine.linear_kernel import (
     PackedProject,
     SmallBatchLinear,
@@ -116,7 +117,13 @@ class ModelRunner:
             isinstance(project, PackedProject) and project.streams_weights
         ):
             place_weights(loaded.model)
-        self.onednn_from_rows = self._measure_crossover(linear_kernel)
+        self.onednn_from_rows = self._measure_crossover(
+            linear_kernel.crossover
+            if linear_kernel is not None
+            else project.crossover
+            if isinstance(project, PackedProject)
+            else None
+        )
         """Steps of this many rows or more run layer by layer: oneDNN runs some of their
         projections, which decode_layers.c does not call (None: every step may fuse)."""
         self.num_blocks = num_blocks
@@ -140,11 +147,11 @@ class ModelRunner:
             else None
         )
 
-    def _measure_crossover(self, linear: SmallBatchLinear | None) -> int | None:
-        """Where the linear kernel measures oneDNN against the panel kernel, measures this
-        model's layer projections (their float32 weights) and returns the fewest rows any of
-        them runs on oneDNN from."""
-        if linear is None or linear.crossover is None or not isinstance(self.model, LlamaModel):
+    def _measure_crossover(self, crossover: Crossover | None) -> int | None:
+        """Where the projections measure oneDNN against the panel kernel (the linear kernel's
+        float32 ones, or a bfloat16 model's PackedProject), measures this model's layer
+        projections and returns the fewest rows any of them runs on oneDNN from."""
+        if crossover is None or not isinstance(self.model, LlamaModel):
             return None
         layers = [
             [
@@ -154,8 +161,8 @@ class ModelRunner:
             ]
             for layer in self.model.decoder_layers()
         ]
-        linear.crossover.calibrate(layers)
-        return linear.crossover.least_rows(layers[0]) if layers else None
+        crossover.calibrate(layers)
+        return crossover.least_rows(layers[0]) if layers else None
 
     def _decode_layers(
         self,

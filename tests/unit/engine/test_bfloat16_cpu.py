@@ -1,9 +1,9 @@
-"""The engine in bfloat16 on the CPU, where the projections of steps of many rows run on oneDNN,
-those of few rows whole in the small-batch library, and the norm or SwiGLU in one pass of that
-library (linear_kernel.PackedProject): each projection against its definition, the small steps
-against oneDNN, the fused norm and SwiGLU against float32 rounded once, prefill logits against
-transformers' float32 next to its own bfloat16, and a continuous batch that generates without
-leaking a block. (The decode kernel's bfloat16 build: test_decode_kernel.py.)"""
+"""The engine in bfloat16 on the CPU, where the projections of steps of many rows run on oneDNN
+or the panel kernel's bfloat16 build, those of few rows whole in the small-batch library, and
+the norm or SwiGLU in one pass of that library (linear_kernel.PackedProject): each projection
+against its definition, the small steps and the panel kernel's against oneDNN, the fused norm
+and SwiGLU against float32 rounded once, prefill logits against transformers' float32 next to
+its own bfloat16, and a continuous batch that generates without leaking a block. (The decode kernel's bfloat16 build: test_decode_kernel.py.)"""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import (
     PackedProject,
     bfloat16_pairs,
+    bfloat16_panels,
     choose_bfloat16_project,
     onednn_available,
 )
@@ -33,6 +34,8 @@ from tests.unit.engine.test_linear_kernel import FusedCall, linear, reference, r
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 CPU = torch.device("cpu")
 WIDENED = ("BFLOAT16_WIDENED",)
+PANELS_BUILT = onednn_available() and bfloat16_panels(1) is not None
+"""The panel kernel has a bfloat16 build here (AVX-512 BF16)."""
 PROMPT_LENGTHS = (5, 17, 33, 64, 3, 40, 9, 24)
 
 
@@ -73,6 +76,8 @@ def test_only_a_bfloat16_model_left_to_onednn_projects_on_it(
     assert isinstance(project, PackedProject) if chosen else project is None
     if isinstance(project, PackedProject):
         assert project.input_function is not None  # the small-batch kernel's library
+        # "auto" measures the panel kernel against oneDNN where it has a bfloat16 build.
+        assert (project.crossover is not None) == (mode == "auto" and PANELS_BUILT)
 
 
 def test_small_batch_linear_torch_keeps_the_norms_in_torch() -> None:
@@ -129,6 +134,35 @@ def test_small_steps_stream_what_onednn_computes(
     assert streamed.product.num_copies == 0
     expected = call.run(onednn, module).float()
     assert onednn.product.num_copies == 1
+    inputs = onednn.projection_input(call.x.clone(), call.norm, call.gated).float()
+    summed = inputs.abs() @ module.weight.float().abs().t()  # what the float32 sums carry
+    ulp = expected.abs() * 2.0**-7 + summed * 2.0**-20
+    if call.residual is not None:  # the product rounded before the sum: a step of its own
+        ulp += (expected - call.residual.float()).abs() * 2.0**-7
+    assert bool(((got - expected).abs() <= ulp).all())
+
+
+@pytest.mark.skipif(not PANELS_BUILT, reason="the kernels are not built for AVX-512 BF16 here")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fused", ["", "norm+bias", "gated+residual"])
+@pytest.mark.parametrize(("ins", "outs"), [(576, 960), (41, 7), (64, 33), (1536, 576)])
+@pytest.mark.parametrize("rows", [4, 5, 8, 13, 32, 70])
+def test_larger_steps_on_the_panel_kernel_compute_what_onednn_computes(
+    rows: int, ins: int, outs: int, fused: str, threads: int
+) -> None:
+    """Steps of more rows than stream, on the panel kernel's bfloat16 build, oneDNN not
+    called: each output within one bfloat16 step of oneDNN's product of the same operands plus
+    what summing in float32 in another order may move it, the residual added after the
+    rounded product. Row tiles whole and cut, output panels whole and cut, an odd input count
+    (its last input paired with a zero)."""
+    module, call = bfloat16_case(ins, outs, rows, fused, weight_seed=ins, seed=rows * 100 + outs)
+    library = load_library("small_batch_linear")
+    panels = PackedProject(library, threads, small_max_rows=0, panels=bfloat16_panels(threads))
+    onednn = PackedProject(library, threads, small_max_rows=0)
+    got = call.run(panels, module).float()
+    assert panels.product.num_copies == 0
+    assert panels.crossover is not None and panels.crossover.panels.num_copies == 1
+    expected = call.run(onednn, module).float()
     inputs = onednn.projection_input(call.x.clone(), call.norm, call.gated).float()
     summed = inputs.abs() @ module.weight.float().abs().t()  # what the float32 sums carry
     ulp = expected.abs() * 2.0**-7 + summed * 2.0**-20

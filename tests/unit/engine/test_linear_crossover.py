@@ -13,11 +13,17 @@ from torch import nn
 from services.worker.engine.decode_kernel import choose_decode_kernel
 from services.worker.engine.decode_layers_kernel import layer_projections
 from services.worker.engine.kernel_build import load_library
-from services.worker.engine.linear_crossover import Crossover, first_faster_rows
+from services.worker.engine.linear_crossover import (
+    BFLOAT16_CANDIDATE_ROWS,
+    Crossover,
+    first_faster_rows,
+)
 from services.worker.engine.linear_kernel import (
     PackedLinear,
+    PackedProject,
     PanelLinear,
     SmallBatchLinear,
+    bfloat16_panels,
     kernel_weights,
     onednn_available,
 )
@@ -93,6 +99,26 @@ def test_calibration_measures_the_first_layer_once_and_lays_out_what_onednn_take
     measured = dict(chooser.from_rows)
     chooser.calibrate(layers)
     assert chooser.from_rows == measured  # measured once
+
+
+@pytest.mark.skipif(bfloat16_panels(2) is None, reason="no AVX-512 BF16 build of the kernels")
+def test_a_bfloat16_runner_measures_its_panel_kernel_against_onednn_at_decode_sizes(
+    tiny_llama_dir: Path,
+) -> None:
+    """A bfloat16 model's PackedProject with the panel kernel is calibrated by its runner on
+    the first layer's shapes, at BFLOAT16_CANDIDATE_ROWS (from decode sizes on: its steps all
+    run layer by layer, and oneDNN may be faster there on a CPU with AMX)."""
+    loaded = load_model(str(tiny_llama_dir), dtype=torch.bfloat16)
+    project = PackedProject(load_library("small_batch_linear"), 2, panels=bfloat16_panels(2))
+    ModelRunner(loaded, 64, project=project)
+    assert project.crossover is not None
+    assert project.crossover.candidate_rows == BFLOAT16_CANDIDATE_ROWS
+    first = loaded.model.decoder_layers()[0]
+    shapes = {
+        tuple(kernel_weights(m)[0].shape)  # type: ignore[index]
+        for m in layer_projections(first)
+    }
+    assert set(project.crossover.from_rows) == shapes
 
 
 class CountedPacked(PackedLinear):
