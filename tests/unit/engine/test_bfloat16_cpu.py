@@ -3,7 +3,8 @@ or the panel kernel's bfloat16 build, those of few rows whole in the small-batch
 the norm or SwiGLU in one pass of that library (linear_kernel.PackedProject): each projection
 against its definition, the small steps and the panel kernel's against oneDNN, the fused norm
 and SwiGLU against float32 rounded once, prefill logits against transformers' float32 next to
-its own bfloat16, and a continuous batch that generates without leaking a block. (The decode kernel's bfloat16 build: test_decode_kernel.py.)"""
+its own bfloat16, and a continuous batch that generates without leaking a block. (The decode
+kernel's bfloat16 build: test_decode_kernel.py.)"""
 
 from __future__ import annotations
 

@@ -227,9 +227,18 @@ static void run_panels(const Operands *o, int threads, int streaming) {
 static Operands float_operands(const float *x, int64_t rows, int64_t x_stride, int64_t ins,
                                const float *panels, const float *bias, int64_t outs, float *y,
                                int accumulate) {
-    return (Operands){x,      rows, x_stride, ins,       panels,
-                      bias,   outs, y,        accumulate, (int64_t)sizeof(float),
-                      ins * PANEL * (int64_t)sizeof(float), panel_rows};
+    return (Operands){.x = x,
+                      .rows = rows,
+                      .x_stride = x_stride,
+                      .ins = ins,
+                      .panels = panels,
+                      .bias = bias,
+                      .outs = outs,
+                      .y = y,
+                      .accumulate = accumulate,
+                      .element = (int64_t)sizeof(float),
+                      .panel_bytes = ins * PANEL * (int64_t)sizeof(float),
+                      .run = panel_rows};
 }
 
 /* y (=, or += with accumulate) x W^T + bias, W packed by panel_linear_pack. */
@@ -306,7 +315,8 @@ static inline __attribute__((always_inline)) void bfloat16_row_tile(
     __m512 acc[TILE_ROWS][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t whole = ins / 2;
-    for (int64_t i = 0; i < whole; i++) add_pair(acc, panel + i * 2 * PANEL, x, x_stride, i, rows, 0);
+    for (int64_t i = 0; i < whole; i++)
+        add_pair(acc, panel + i * 2 * PANEL, x, x_stride, i, rows, 0);
     if (ins % 2) add_pair(acc, panel + whole * 2 * PANEL, x, x_stride, whole, rows, 1);
     for (int r = 0; r < rows; r++) {
         float sums[PANEL];
@@ -357,10 +367,18 @@ static void bfloat16_panel_rows(const void *x_rows, int64_t rows, int64_t x_stri
 void panel_linear_bfloat16(const uint16_t *x, int64_t rows, int64_t x_stride, int64_t ins,
                            const uint16_t *panels, const uint16_t *bias, int64_t outs,
                            uint16_t *y, int accumulate, int threads) {
-    const int64_t panel_bytes = (ins + 1) / 2 * 2 * PANEL * (int64_t)sizeof(uint16_t);
-    const Operands o = {x,    rows, x_stride, ins,        panels,
-                        bias, outs, y,        accumulate, (int64_t)sizeof(uint16_t),
-                        panel_bytes, bfloat16_panel_rows};
+    const Operands o = {.x = x,
+                        .rows = rows,
+                        .x_stride = x_stride,
+                        .ins = ins,
+                        .panels = panels,
+                        .bias = bias,
+                        .outs = outs,
+                        .y = y,
+                        .accumulate = accumulate,
+                        .element = (int64_t)sizeof(uint16_t),
+                        .panel_bytes = (ins + 1) / 2 * 2 * PANEL * (int64_t)sizeof(uint16_t),
+                        .run = bfloat16_panel_rows};
     run_panels(&o, threads, 0);
 }
 #else
