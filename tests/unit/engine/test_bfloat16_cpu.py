@@ -59,6 +59,22 @@ def bfloat16_case(
     return module.to(torch.bfloat16), call
 
 
+def assert_within_a_step_of_onednn(
+    got: torch.Tensor, onednn: PackedProject, call: FusedCall, module: nn.Linear
+) -> None:
+    """Each output of `got` (float32) within one bfloat16 step of oneDNN's product of the same
+    operands plus what summing in float32 in another order may move it (both sum exact
+    products of the same rounded f(x) and weights, and round once; a residual is added after,
+    rounded again)."""
+    expected = call.run(onednn, module).float()
+    inputs = onednn.projection_input(call.x.clone(), call.norm, call.gated).float()
+    summed = inputs.abs() @ module.weight.float().abs().t()  # what the float32 sums carry
+    ulp = expected.abs() * 2.0**-7 + summed * 2.0**-20
+    if call.residual is not None:  # the product rounded before the sum: a step of its own
+        ulp += (expected - call.residual.float()).abs() * 2.0**-7
+    assert bool(((got - expected).abs() <= ulp).all())
+
+
 @pytest.mark.parametrize(
     ("mode", "dtype", "chosen"),
     [
@@ -133,14 +149,8 @@ def test_small_steps_stream_what_onednn_computes(
     onednn = PackedProject(library, threads, small_max_rows=0)
     got = call.run(streamed, module).float()
     assert streamed.product.num_copies == 0
-    expected = call.run(onednn, module).float()
+    assert_within_a_step_of_onednn(got, onednn, call, module)
     assert onednn.product.num_copies == 1
-    inputs = onednn.projection_input(call.x.clone(), call.norm, call.gated).float()
-    summed = inputs.abs() @ module.weight.float().abs().t()  # what the float32 sums carry
-    ulp = expected.abs() * 2.0**-7 + summed * 2.0**-20
-    if call.residual is not None:  # the product rounded before the sum: a step of its own
-        ulp += (expected - call.residual.float()).abs() * 2.0**-7
-    assert bool(((got - expected).abs() <= ulp).all())
 
 
 @pytest.mark.skipif(not PANELS_BUILT, reason="the kernels are not built for AVX-512 BF16 here")
@@ -163,13 +173,7 @@ def test_larger_steps_on_the_panel_kernel_compute_what_onednn_computes(
     got = call.run(panels, module).float()
     assert panels.product.num_copies == 0
     assert panels.crossover is not None and panels.crossover.panels.num_copies == 1
-    expected = call.run(onednn, module).float()
-    inputs = onednn.projection_input(call.x.clone(), call.norm, call.gated).float()
-    summed = inputs.abs() @ module.weight.float().abs().t()  # what the float32 sums carry
-    ulp = expected.abs() * 2.0**-7 + summed * 2.0**-20
-    if call.residual is not None:  # the product rounded before the sum: a step of its own
-        ulp += (expected - call.residual.float()).abs() * 2.0**-7
-    assert bool(((got - expected).abs() <= ulp).all())
+    assert_within_a_step_of_onednn(got, onednn, call, module)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -172,34 +172,29 @@ static int64_t block_rows_max(int64_t row_bytes) {
     return rows > TILE_ROWS ? rows : TILE_ROWS;
 }
 
-/* The operands of one product as run_panels sees them: elements of `element` bytes (x, bias
- * and y alike), panels of `panel_bytes` each, run by `run`. */
+/* How run_panels reads one product's operands: elements of `element` bytes (x, bias and y
+ * alike), panels of `panel_bytes` each, the rows of one panel run by `run`. */
 typedef struct {
-    const void *x;
-    int64_t rows, x_stride, ins;
-    const void *panels;
-    const void *bias;
-    int64_t outs;
-    void *y;
-    int accumulate;
     int64_t element, panel_bytes;
     panel_rows_fn run;
-} Operands;
+} Format;
 
 /* `streaming`: each thread asks for its next panel while it runs the current one, and the
  * rows go in blocks of at most block_rows_max (of equal size), every panel over one block
  * before the next block: (block, panel) pairs shared out among the threads in that order. */
-static void run_panels(const Operands *o, int threads, int streaming) {
-    if (o->rows <= 0) return;
-    const int64_t count = (o->outs + PANEL - 1) / PANEL, rows = o->rows;
-    const int64_t most = streaming ? block_rows_max(o->ins * o->element) : rows;
+static void run_panels(const void *x_rows, int64_t rows, int64_t x_stride, int64_t ins,
+                       const void *all_panels, const void *all_bias, int64_t outs, void *y_rows,
+                       int accumulate, Format format, int threads, int streaming) {
+    if (rows <= 0) return;
+    const int64_t count = (outs + PANEL - 1) / PANEL, element = format.element;
+    const int64_t most = streaming ? block_rows_max(ins * element) : rows;
     const int64_t blocks = (rows + most - 1) / most;
     /* Whole row tiles a block, but the last. */
     const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t per_block = (tiles + blocks - 1) / blocks * TILE_ROWS;
     const int team = count * blocks < threads ? (int)(count * blocks) : threads;
-    const char *x = o->x, *panels = o->panels, *bias = o->bias;
-    char *y = o->y;
+    const char *x = x_rows, *panels = all_panels, *bias = all_bias;
+    char *y = y_rows;
     /* Dynamic, two panels at a time: a thread the hypervisor takes the core from for a while
      * leaves its panels to the other instead of making it wait at the barrier (a 64-row
      * decode step, 2 cores of an AMD EPYC Zen 4: 137-140 vs 141-149 ms, three runs each;
@@ -210,43 +205,29 @@ static void run_panels(const Operands *o, int threads, int streaming) {
     for (int64_t b = 0; b < blocks; b++)
         for (int64_t p = 0; p < count; p++) {
             const int64_t first = p * PANEL, row0 = b * per_block;
-            const int64_t columns = o->outs - first < PANEL ? o->outs - first : PANEL;
+            const int64_t columns = outs - first < PANEL ? outs - first : PANEL;
             const int64_t block = rows - row0 < per_block ? rows - row0 : per_block;
-            const char *next = streaming && p + 1 < count ? panels + (p + 1) * o->panel_bytes
+            const char *next = streaming && p + 1 < count ? panels + (p + 1) * format.panel_bytes
                                                           : NULL;
             if (block > 0)
-                o->run(x + row0 * o->x_stride * o->element, block, o->x_stride, o->ins,
-                       panels + p * o->panel_bytes,
-                       bias != NULL ? bias + first * o->element : NULL, columns,
-                       y + (row0 * o->outs + first) * o->element, o->outs, o->accumulate,
-                       next);
+                format.run(x + row0 * x_stride * element, block, x_stride, ins,
+                           panels + p * format.panel_bytes,
+                           bias != NULL ? bias + first * element : NULL, columns,
+                           y + (row0 * outs + first) * element, outs, accumulate, next);
         }
 }
 
-/* The float32 operands of panel_linear and panel_linear_prefetching. */
-static Operands float_operands(const float *x, int64_t rows, int64_t x_stride, int64_t ins,
-                               const float *panels, const float *bias, int64_t outs, float *y,
-                               int accumulate) {
-    return (Operands){.x = x,
-                      .rows = rows,
-                      .x_stride = x_stride,
-                      .ins = ins,
-                      .panels = panels,
-                      .bias = bias,
-                      .outs = outs,
-                      .y = y,
-                      .accumulate = accumulate,
-                      .element = (int64_t)sizeof(float),
-                      .panel_bytes = ins * PANEL * (int64_t)sizeof(float),
-                      .run = panel_rows};
+/* The float32 format of panel_linear and panel_linear_prefetching. */
+static Format float_format(int64_t ins) {
+    return (Format){(int64_t)sizeof(float), ins * PANEL * (int64_t)sizeof(float), panel_rows};
 }
 
 /* y (=, or += with accumulate) x W^T + bias, W packed by panel_linear_pack. */
 void panel_linear(const float *x, int64_t rows, int64_t x_stride, int64_t ins,
                   const float *panels, const float *bias, int64_t outs, float *y, int accumulate,
                   int threads) {
-    const Operands o = float_operands(x, rows, x_stride, ins, panels, bias, outs, y, accumulate);
-    run_panels(&o, threads, 0);
+    run_panels(x, rows, x_stride, ins, panels, bias, outs, y, accumulate, float_format(ins),
+               threads, 0);
 }
 
 /* panel_linear, asking for each thread's next panel while it runs the current one, its rows
@@ -254,8 +235,8 @@ void panel_linear(const float *x, int64_t rows, int64_t x_stride, int64_t ins,
 void panel_linear_prefetching(const float *x, int64_t rows, int64_t x_stride, int64_t ins,
                               const float *panels, const float *bias, int64_t outs, float *y,
                               int accumulate, int threads) {
-    const Operands o = float_operands(x, rows, x_stride, ins, panels, bias, outs, y, accumulate);
-    run_panels(&o, threads, 1);
+    run_panels(x, rows, x_stride, ins, panels, bias, outs, y, accumulate, float_format(ins),
+               threads, 1);
 }
 
 /* A bfloat16 model's projections (AVX-512 BF16 only): x, W, the bias and y in bfloat16, W
@@ -367,19 +348,9 @@ static void bfloat16_panel_rows(const void *x_rows, int64_t rows, int64_t x_stri
 void panel_linear_bfloat16(const uint16_t *x, int64_t rows, int64_t x_stride, int64_t ins,
                            const uint16_t *panels, const uint16_t *bias, int64_t outs,
                            uint16_t *y, int accumulate, int threads) {
-    const Operands o = {.x = x,
-                        .rows = rows,
-                        .x_stride = x_stride,
-                        .ins = ins,
-                        .panels = panels,
-                        .bias = bias,
-                        .outs = outs,
-                        .y = y,
-                        .accumulate = accumulate,
-                        .element = (int64_t)sizeof(uint16_t),
-                        .panel_bytes = (ins + 1) / 2 * 2 * PANEL * (int64_t)sizeof(uint16_t),
-                        .run = bfloat16_panel_rows};
-    run_panels(&o, threads, 0);
+    const int64_t panel_bytes = (ins + 1) / 2 * 2 * PANEL * (int64_t)sizeof(uint16_t);
+    const Format format = {(int64_t)sizeof(uint16_t), panel_bytes, bfloat16_panel_rows};
+    run_panels(x, rows, x_stride, ins, panels, bias, outs, y, accumulate, format, threads, 0);
 }
 #else
 int panel_linear_bfloat16_built(void) { return 0; }
