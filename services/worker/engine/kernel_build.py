@@ -45,8 +45,9 @@ CFLAGS = (
 
 Kernel = TypeVar("Kernel")
 
-# The build of a kernel reading the KV cache (paged_decode_attention.c,
-# paged_prefill_attention.c) for each cache dtype: the macros it is compiled with.
+# The build of a kernel reading or writing the KV cache (paged_decode_attention.c,
+# paged_prefill_attention.c, rope_and_store.c; kernels/kv_element.h) for each cache dtype: the
+# macros it is compiled with.
 KV_BUILDS: dict[torch.dtype, tuple[str, ...]] = {
     torch.float32: (),
     torch.bfloat16: ("KV_BFLOAT16",),

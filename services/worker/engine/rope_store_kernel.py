@@ -4,9 +4,10 @@ Each layer rotates its new Q/K heads and writes the new K/V into the paged cache
 that is six small ops for the rotation (a complex product through views, and a copy back) and
 two index_copy_ calls: at batch sizes of decoding, each costs more in dispatch than in
 arithmetic, 30 times a step. The kernel does both in one pass over the fused Q/K/V rows,
-rotating them in place, torch's numbers to the bit. kernel_build.py compiles and caches it; a
-bfloat16 model's Q/K/V and cache take a build of their own (KV_BFLOAT16), which rotates each
-pair in float32 and rounds it once back, as torch's path does.
+rotating them in place, each result within one step of its dtype of torch's (it may fuse a
+product and a sum into one multiply-add where torch rounds the product first). kernel_build.py
+compiles and caches it; a bfloat16 model's Q/K/V and cache take a build of their own
+(KV_BFLOAT16), which rotates each pair in float32 and rounds it once back, as torch's path does.
 """
 
 from __future__ import annotations

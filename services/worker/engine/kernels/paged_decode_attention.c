@@ -39,8 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bfloat16.h"
 #include "exp_approx.h"
+#include "kv_element.h"
 #include "prefetch_slice.h"
 
 #if defined(__AVX512F__)
@@ -71,19 +71,11 @@ static inline vec load(const float *p) {
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-#if defined(KV_BFLOAT16)
-typedef uint16_t kv_t;
-
 /* LANES cache elements, each widened to its float32. */
+#if defined(KV_BFLOAT16)
 static inline vec load_kv(const kv_t *p) { return bfloat16_vector(p); }
-
-static inline float kv_value(kv_t x) { return bf16_to_float(x); }
 #else
-typedef float kv_t;
-
 static inline vec load_kv(const kv_t *p) { return load(p); }
-
-static inline float kv_value(kv_t x) { return x; }
 #endif
 
 /* One level of lane_sums' tree: lane l of the result adds two lanes of a or b that hold parts

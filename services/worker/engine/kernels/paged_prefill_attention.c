@@ -32,17 +32,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "bfloat16.h"
 #include "exp_approx.h"
 #include "in_register.h"
-
-#if defined(KV_BFLOAT16)
-typedef uint16_t kv_t;
-static inline float kv_value(kv_t x) { return bf16_to_float(x); }
-#else
-typedef float kv_t;
-static inline float kv_value(kv_t x) { return x; }
-#endif
+#include "kv_element.h"
 
 #if defined(__AVX512F__)
 #define LANES 16

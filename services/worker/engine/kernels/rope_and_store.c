@@ -23,39 +23,29 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "bfloat16.h"
-
-#if defined(KV_BFLOAT16)
-typedef uint16_t element;
-static inline float widened(element x) { return bf16_to_float(x); }
-static inline element rounded(float x) { return float_to_bf16(x); }
-#else
-typedef float element;
-static inline float widened(element x) { return x; }
-static inline element rounded(float x) { return x; }
-#endif
+#include "kv_element.h"
 
 /* Tokens below which one thread does it all: the rotation is a few hundred multiply-adds per
  * token, less than a thread team's start-up. */
 #define TOKENS_PER_THREAD 64
 
-static void rotate_heads(element *restrict row, const float *restrict rotation, int64_t heads,
+static void rotate_heads(kv_t *restrict row, const float *restrict rotation, int64_t heads,
                          int64_t head_dim) {
     for (int64_t h = 0; h < heads; h++) {
-        element *x = row + h * head_dim;
+        kv_t *x = row + h * head_dim;
 #pragma omp simd
         for (int64_t p = 0; p < head_dim / 2; p++) {
             const float c = rotation[2 * p], s = rotation[2 * p + 1];
-            const float x0 = widened(x[2 * p]), x1 = widened(x[2 * p + 1]);
-            x[2 * p] = rounded(x0 * c - x1 * s);
-            x[2 * p + 1] = rounded(x0 * s + x1 * c);
+            const float x0 = kv_value(x[2 * p]), x1 = kv_value(x[2 * p + 1]);
+            x[2 * p] = kv_rounded(x0 * c - x1 * s);
+            x[2 * p + 1] = kv_rounded(x0 * s + x1 * c);
         }
     }
 }
 
-void rope_and_store(element *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
+void rope_and_store(kv_t *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
                     int64_t kv_heads, int64_t head_dim, const float *rotations,
-                    const int64_t *slots, element *key_slots, element *value_slots,
+                    const int64_t *slots, kv_t *key_slots, kv_t *value_slots,
                     int threads) {
     const int64_t kv_size = kv_heads * head_dim;
     const int team = tokens < TOKENS_PER_THREAD * threads
@@ -63,10 +53,10 @@ void rope_and_store(element *qkv, int64_t tokens, int64_t row_stride, int64_t he
                          : threads;
 #pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
     for (int64_t t = 0; t < tokens; t++) {
-        element *row = qkv + t * row_stride;
+        kv_t *row = qkv + t * row_stride;
         rotate_heads(row, rotations + t * head_dim, heads + kv_heads, head_dim);
-        memcpy(key_slots + slots[t] * kv_size, row + heads * head_dim, sizeof(element) * kv_size);
+        memcpy(key_slots + slots[t] * kv_size, row + heads * head_dim, sizeof(kv_t) * kv_size);
         memcpy(value_slots + slots[t] * kv_size, row + (heads + kv_heads) * head_dim,
-               sizeof(element) * kv_size);
+               sizeof(kv_t) * kv_size);
     }
 }

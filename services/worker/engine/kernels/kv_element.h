@@ -1,0 +1,21 @@
+/* One KV-cache element as the kernels that read or write the cache see it (included by their
+ * .c files; kernel_build.py keys its cache on the headers too): a float32 in the default build,
+ * a bfloat16 in the KV_BFLOAT16 one (kernel_build.KV_BUILDS), widened to the float32 it stands
+ * for to compute and rounded once to store. */
+#ifndef KVMESH_KV_ELEMENT_H
+#define KVMESH_KV_ELEMENT_H
+#include <stdint.h>
+
+#include "bfloat16.h"
+
+#if defined(KV_BFLOAT16)
+typedef uint16_t kv_t;
+static inline float kv_value(kv_t x) { return bf16_to_float(x); }
+static inline kv_t kv_rounded(float x) { return float_to_bf16(x); }
+#else
+typedef float kv_t;
+static inline float kv_value(kv_t x) { return x; }
+static inline kv_t kv_rounded(float x) { return x; }
+#endif
+
+#endif
