@@ -10,16 +10,24 @@ sheds by it, and a call that goes quiet for many step times has a stalled worker
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvmesh.service_rates import ServiceRates
 
 PREFILL_DECAY = 0.9
 """Weight an older prefill sample keeps at each new one (about the last ten count)."""
-DECODE_WEIGHT = 0.02
-"""Weight of the newest gap between tokens (a decoding worker sends many per second); the
-first 1 / DECODE_WEIGHT gaps are averaged evenly, so the first one does not linger."""
+DECODE_HORIZON_S = 5.0
+"""Seconds over which the gaps between tokens are averaged, each token alike, older ones
+fading as e^(-age / DECODE_HORIZON_S): about the time a request decodes, which is what the
+gateway's estimate of its service time stands for. A colocated worker's gaps swing with each
+wave of prompts it prefills between decode steps; averaged over a count of gaps instead (the
+newest weighing 0.02), the figure followed every wave (with 60 streams decoding, 50 gaps are a
+fifth of a second), and the gateway, which reads the rates every 10 s, shed by a peak of half
+a second: at 1x load it refused interactive answers of 32 tokens that it expected to take
+23 s, and that took about 7 s."""
 
 
 @dataclass(slots=True)
@@ -60,17 +68,26 @@ class WorkerRates:
     """One worker's measured speed."""
 
     prefill: PrefillFit | None = None
-    step_s: float | None = None
-    """Moving average of the time between two tokens of a sequence it decodes."""
-    gaps: int = 0
-    """Gaps averaged into step_s so far."""
+    gap_s: float = 0.0
+    """Seconds between tokens of the sequences it decodes, summed with fading weights."""
+    gap_tokens: float = 0.0
+    """The tokens that came after those gaps, summed with the same weights."""
+    gap_at: float | None = None
+    """When the sums last took a gap (None: never)."""
+
+    @property
+    def step_s(self) -> float | None:
+        """The average time between two tokens of a sequence over about the last
+        DECODE_HORIZON_S (None before any gap)."""
+        return self.gap_s / self.gap_tokens if self.gap_tokens > 0 else None
 
 
 class RateBook:
     """Measured speeds by worker address."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._workers: dict[str, WorkerRates] = {}
+        self._clock = clock
 
     def _of(self, address: str) -> WorkerRates:
         rates = self._workers.get(address)
@@ -89,13 +106,15 @@ class RateBook:
         """`tokens` decoded tokens that arrived `seconds` after the previous ones."""
         if tokens < 1:
             return
-        sample = max(seconds, 0.0) / tokens
         rates = self._of(address)
-        rates.gaps += 1
-        weight = max(DECODE_WEIGHT, 1.0 / rates.gaps)
-        rates.step_s = (
-            sample if rates.step_s is None else rates.step_s + weight * (sample - rates.step_s)
-        )
+        now = self._clock()
+        if rates.gap_at is not None:
+            fade = math.exp(-max(now - rates.gap_at, 0.0) / DECODE_HORIZON_S)
+            rates.gap_s *= fade
+            rates.gap_tokens *= fade
+        rates.gap_s += max(seconds, 0.0)
+        rates.gap_tokens += tokens
+        rates.gap_at = now
 
     def prefill_s(self, address: str, tokens: int) -> float | None:
         """The worker's measured time for a prefill of `tokens` uncached tokens; None before

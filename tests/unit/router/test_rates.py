@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.router.rates import PrefillFit, RateBook
+from services.router.rates import DECODE_HORIZON_S, PrefillFit, RateBook
 
 
 def test_prefill_time_is_fitted_as_base_plus_per_token() -> None:
@@ -41,18 +41,51 @@ def test_old_prefill_samples_fade() -> None:
     assert fit.line()[1] == pytest.approx(0.004, rel=0.05)
 
 
-def test_the_step_time_follows_the_gaps_between_tokens() -> None:
-    book = RateBook()
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_step_time_is_the_time_between_tokens_averaged_per_token() -> None:
+    clock = _Clock()
+    book = RateBook(clock)
     book.observe_gap("d0", 1, 0.03)
     assert book.step_s("d0") == pytest.approx(0.03)
-    book.observe_gap("d0", 1, 0.01)  # the first ones are averaged evenly
+    book.observe_gap("d0", 1, 0.01)  # at the same moment: an even average
     assert book.step_s("d0") == pytest.approx(0.02)
-    for _ in range(400):
-        book.observe_gap("d0", 2, 0.1)  # two tokens per chunk, 50 ms each
-    assert book.step_s("d0") == pytest.approx(0.05, rel=0.01)
+    book.observe_gap("d0", 2, 0.1)  # two tokens in one chunk: 50 ms each, counted twice
+    assert book.step_s("d0") == pytest.approx(0.14 / 4)
     book.observe_gap("d0", 0, 5.0)  # a chunk without tokens says nothing
-    assert book.step_s("d0") == pytest.approx(0.05, rel=0.01)
+    assert book.step_s("d0") == pytest.approx(0.14 / 4)
     assert book.step_s("elsewhere") is None
+
+
+def test_the_step_time_follows_the_load_over_seconds_not_one_wave_of_prefills() -> None:
+    clock = _Clock()
+    book = RateBook(clock)
+    # 60 streams decoding at 100 ms a step for 20 s.
+    for _ in range(200):
+        clock.now += 0.1
+        for _ in range(60):
+            book.observe_gap("d0", 1, 0.1)
+    assert book.step_s("d0") == pytest.approx(0.1)
+    # A wave of prompts makes one gap of every stream 0.5 s: the average moves by a tenth of
+    # that wave (0.5 s of 5 s), where an average over the last 50 gaps took all of it.
+    clock.now += 0.5
+    for _ in range(60):
+        book.observe_gap("d0", 1, 0.5)
+    wave = book.step_s("d0")
+    assert wave is not None and 0.1 < wave < 0.15
+    # A lasting change is followed within a few horizons (the faster steps before gave more
+    # tokens a second, each counting alike).
+    for _ in range(round(5 * DECODE_HORIZON_S / 0.3)):
+        clock.now += 0.3
+        for _ in range(60):
+            book.observe_gap("d0", 1, 0.3)
+    assert book.step_s("d0") == pytest.approx(0.3, rel=0.03)
 
 
 def test_tier_rates_average_the_measured_workers() -> None:
