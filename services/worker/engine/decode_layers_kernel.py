@@ -5,13 +5,14 @@ At batch 1 the kernels themselves (projections, RoPE + K/V store, attention) too
 (SmolLM2-135M, 2 cores of an Intel Xeon). decode_layers.c calls the same kernels in the same
 order with the same arguments, so a step's numbers are bit for bit those of the layer-by-layer
 path; it runs a step that holds only decode rows of a model whose layers it can express (no
-per-head Q/K norm, every projection a float32 or int8 matrix the kernel reads): up to the
-small-batch linear kernel's rows, and up to FUSED_MAX_ROWS where the larger steps' projections
-run on the panel kernel (PanelLinear: decode_layers.c calls it as that path does). Such a step
-is tens of milliseconds: it is not interrupted between layers (an interactive arrival waits at
-most that). Where the larger steps run on panels and a prefill kernel is given, it also runs
-steps with prefill chunks (each chunk's attention on that kernel), of any rows: those that
-nothing may interrupt between layers (the runner's choice).
+per-head Q/K norm, every projection a matrix the kernel reads: float32 or int8, or bfloat16 in
+its build for a bfloat16 model): up to the small-batch linear kernel's rows, and up to
+FUSED_MAX_ROWS where the larger steps' projections run on the panel kernel (PanelLinear:
+decode_layers.c calls it as that path does). Such a step is tens of milliseconds: it is not
+interrupted between layers (an interactive arrival waits at most that). Where the larger
+steps run on panels and a prefill kernel is given, it also runs steps with prefill chunks
+(each chunk's attention on that kernel), of any rows: those that nothing may interrupt
+between layers (the runner's choice).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import torch
 
 from services.worker.engine.attention import KernelDecode, LayerKvCache, PrefillSpan
 from services.worker.engine.decode_kernel import DecodeKernel
-from services.worker.engine.kernel_build import load_library
-from services.worker.engine.linear_kernel import PanelLinear, SmallBatchLinear, kernel_weights
+from services.worker.engine.kernel_build import KV_BUILDS, load_library
+from services.worker.engine.linear_kernel import LayerProjections, PanelLinear, kernel_weights
 from services.worker.engine.models.llama import LlamaLayer, LlamaModel
 from services.worker.engine.prefill_kernel import PrefillKernel
 from services.worker.engine.rope_store_kernel import RopeStoreKernel
@@ -100,21 +101,19 @@ class DecodeLayers:
         model: LlamaModel,
         layer_caches: list[LayerKvCache],
         block_size: int,
-        kernels: tuple[SmallBatchLinear, RopeStoreKernel, DecodeKernel],
+        kernels: tuple[LayerProjections, RopeStoreKernel, DecodeKernel],
         prefill: PrefillKernel | None = None,
     ) -> None:
         """The model's weights and cache are read by address from here on: they must stay
-        where they are (the runner places the weights before it builds this). prefill: the
-        kernel that attends prefill chunks, for steps that have them."""
-        linear, rope_store, attention = kernels
+        where they are (the runner places the weights before it builds this). library: the
+        build for the model's dtype (decode_layers_library); kernels: the projections, RoPE/
+        store and decode attention of that dtype; prefill: the kernel that attends prefill
+        chunks, for steps that have them."""
+        projections, rope_store, attention = kernels
         config = model.config
         layers = model.decoder_layers()
-        panels = linear.large if isinstance(linear.large, PanelLinear) else None
-        if panels is not None and any(
-            _int8(m) for layer in layers for m in layer_projections(layer)
-        ):
-            panels = None  # the larger path runs int8 projections on torch: layer by layer
-        self.max_rows = FUSED_MAX_ROWS if panels is not None else linear.max_rows
+        panels = projections.panels
+        self.max_rows = FUSED_MAX_ROWS if panels is not None else projections.small_rows
         """The most rows of a decode-only step it runs."""
         self.runs_prefills = prefill is not None and panels is not None
         """Whether it runs steps with prefill chunks (any rows: their projections on panels)."""
@@ -125,15 +124,15 @@ class DecodeLayers:
         self._function.argtypes = [_POINTER, _POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER]
         self._function.argtypes += [_INT, _POINTER, _POINTER, _INT, _POINTER, _INT]
         self._model = _Model(
-            linear=ctypes.cast(linear.function, _POINTER).value,
+            linear=ctypes.cast(projections.small, _POINTER).value,
             rope_store=ctypes.cast(rope_store.function, _POINTER).value,
             attention=ctypes.cast(attention.function, _POINTER).value,
             prefill_attention=None
             if prefill is None
             else ctypes.cast(prefill.function, _POINTER).value,
-            projection_input=ctypes.cast(linear.input_function, _POINTER).value,
+            projection_input=ctypes.cast(projections.input, _POINTER).value,
             panel_linear=None if panels is None else ctypes.cast(panels.function, _POINTER).value,
-            small_rows=linear.float_max_rows if panels is not None else linear.max_rows,
+            small_rows=projections.small_rows,
             hidden=config.hidden_size,
             heads=config.num_heads,
             kv_heads=config.num_kv_heads,
@@ -143,7 +142,7 @@ class DecodeLayers:
             window=config.sliding_window or 0,
             eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5,
-            threads=linear.num_threads,
+            threads=projections.threads,
         )
         table = (_Layer * len(layers))()
         for entry, layer, cache in zip(table, layers, layer_caches, strict=True):
@@ -208,6 +207,12 @@ def layer_projections(layer: LlamaLayer) -> tuple[torch.nn.Module, ...]:
     return layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj
 
 
+def int8_projections(model: LlamaModel) -> bool:
+    """Whether any of the model's layer projections holds int8 weights (the panel kernel
+    takes none)."""
+    return any(_int8(m) for layer in model.decoder_layers() for m in layer_projections(layer))
+
+
 def _int8(module: torch.nn.Module) -> bool:
     weights = kernel_weights(module)
     return weights is not None and weights[1] is not None
@@ -245,6 +250,7 @@ def expressible(model: torch.nn.Module) -> TypeGuard[LlamaModel]:
 
 
 @functools.cache
-def decode_layers_library() -> ctypes.CDLL:
-    """kernels/decode_layers.c, compiled on first use (KernelUnavailable when it cannot be)."""
-    return load_library("decode_layers")
+def decode_layers_library(dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
+    """kernels/decode_layers.c built for a model of `dtype` (float32 or bfloat16), compiled on
+    first use (KernelUnavailable when it cannot be)."""
+    return load_library("decode_layers", KV_BUILDS[dtype])

@@ -24,6 +24,7 @@ import functools
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -99,6 +100,22 @@ _INPUT_ARGTYPES: list[Any] = [
 ]
 
 
+@dataclass(slots=True, frozen=True)
+class LayerProjections:
+    """How decode_layers.c runs a model's layer projections inside its one call per step."""
+
+    small: Any
+    """The library's small-batch product (small_batch_linear, or bfloat16_small_batch_linear)
+    for steps of up to small_rows rows."""
+    small_rows: int
+    """The most rows of a step the small-batch product runs."""
+    input: Any
+    """f(x) in front of the panel kernel (projection_input, or bfloat16_projection_input)."""
+    panels: PanelLinear | None
+    """The panel kernel for the steps of more rows (None: those never run in one call)."""
+    threads: int
+
+
 class SmallBatchLinear:
     """The CPU's Project (models/llama.py): projections of at most max_rows rows (Int8Linear,
     or nn.Linear in float32: at most float_max_rows of those) run through the kernel, their
@@ -128,7 +145,7 @@ class SmallBatchLinear:
         # weight, int8 scales (or NULL), bias (or NULL)
         self.function.argtypes = small_batch_argtypes(_POINTER, _POINTER, _POINTER)
         self.input_function = library.projection_input
-        self.input_function.restype = None
+        self.input_function.restype = ctypes.c_int
         self.input_function.argtypes = _INPUT_ARGTYPES
         self.num_threads = num_threads
         if max_rows is None:
@@ -142,6 +159,16 @@ class SmallBatchLinear:
         if isinstance(self.large, PanelLinear):
             return min(self.max_rows, PANEL_MIN_ROWS - 1)
         return self.max_rows
+
+    def layer_projections(self, int8: bool) -> LayerProjections:
+        """The projections as decode_layers.c runs them, as this Project runs them. int8: the
+        model has int8 projections, which the panel kernel does not take: then the steps of
+        more rows than the kernel's run layer by layer."""
+        panels = self.large if isinstance(self.large, PanelLinear) and not int8 else None
+        small_rows = self.float_max_rows if panels is not None else self.max_rows
+        return LayerProjections(
+            self.function, small_rows, self.input_function, panels, self.num_threads
+        )
 
     def __call__(
         self,
@@ -288,7 +315,7 @@ def library_projection_input(
         out.data_ptr(),
         num_threads,
     )
-    if failed:  # the float32 function returns nothing, the bfloat16 one -1 on failure
+    if failed:
         raise MemoryError("the projection input could not allocate its scratch rows")
     return out
 
@@ -454,6 +481,21 @@ class PackedProject:
         ):
             return self.product
         return self.crossover.product(weight, x.shape[0])
+
+    def layer_projections(self, int8: bool) -> LayerProjections | None:
+        """The projections as decode_layers.c runs them, as this Project runs them: the
+        library's bfloat16 functions and the panel kernel's bfloat16 build (None without the
+        library, or for int8 projections, which it computes with torch)."""
+        if self.small_function is None or self.input_function is None or int8:
+            return None
+        panels = self.crossover.panels if self.crossover is not None else None
+        return LayerProjections(
+            self.small_function,
+            self.small_max_rows,
+            self.input_function,
+            panels if isinstance(panels, PanelLinear) else None,
+            self.num_threads,
+        )
 
     @property
     def streams_weights(self) -> bool:

@@ -29,6 +29,7 @@ from services.worker.engine.decode_layers_kernel import (
     DecodeLayers,
     decode_layers_library,
     expressible,
+    int8_projections,
     layer_projections,
 )
 from services.worker.engine.huge_pages import huge_page_bytes
@@ -95,11 +96,12 @@ class ModelRunner:
         a PackedProject's that streams some steps' weights itself.
         project: runs the projections where no linear_kernel is given (a bfloat16 model on
         the CPU: linear_kernel.PackedProject); torch's ops when neither is.
-        fuse_small_decodes: with all three of the decode, RoPE/store and linear kernels, a
-        step of only decode rows (up to DecodeLayers.max_rows) runs its layers in one C call
-        (decode_layers_kernel.py; the same numbers); with the prefill kernel too, so does a
-        step with prefill chunks that nothing may interrupt between layers, where the larger
-        steps' projections run on panels."""
+        fuse_small_decodes: with the decode and RoPE/store kernels and the linear kernel (or
+        a bfloat16 model's PackedProject with its library), a step of only decode rows (up to
+        DecodeLayers.max_rows) runs its layers in one C call (decode_layers_kernel.py; the
+        same numbers); with the prefill kernel too, so does a step with prefill chunks that
+        nothing may interrupt between layers, where the larger steps' projections run on
+        panels."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
@@ -142,9 +144,7 @@ class ModelRunner:
         )
         self._layer_caches = [LayerKvCache.of(layer_kv) for layer_kv in self.kv_cache.unbind(0)]
         self.decode_layers = (
-            self._decode_layers(linear_kernel, rope_store_kernel, decode_kernel)
-            if fuse_small_decodes
-            else None
+            self._decode_layers(rope_store_kernel, decode_kernel) if fuse_small_decodes else None
         )
 
     def _measure_crossover(self, crossover: Crossover | None) -> int | None:
@@ -165,21 +165,27 @@ class ModelRunner:
         return crossover.least_rows(layers[0]) if layers else None
 
     def _decode_layers(
-        self,
-        linear: SmallBatchLinear | None,
-        rope_store: RopeStoreKernel | None,
-        attention: DecodeKernel | None,
+        self, rope_store: RopeStoreKernel | None, attention: DecodeKernel | None
     ) -> DecodeLayers | None:
-        if linear is None or rope_store is None or attention is None:
+        """decode_layers.c's build for the model's dtype over the kernels this runner calls,
+        where it can express the model and the runner's Project (the float32 linear kernel,
+        or a bfloat16 model's PackedProject with its library) runs the layers' projections."""
+        if rope_store is None or attention is None or not expressible(self.model):
             return None
-        if not expressible(self.model):
+        project, int8 = self.project, int8_projections(self.model)
+        projections = (
+            project.layer_projections(int8)
+            if isinstance(project, SmallBatchLinear | PackedProject)
+            else None
+        )
+        if projections is None:
             return None
         try:
-            library = decode_layers_library()
+            library = decode_layers_library(self.dtype)
         except KernelUnavailable as exc:
             logger.warning("decode steps run layer by layer: %s", exc)
             return None
-        kernels = (linear, rope_store, attention)
+        kernels = (projections, rope_store, attention)
         return DecodeLayers(
             library, self.model, self._layer_caches, self.block_size, kernels, self.prefill_kernel
         )

@@ -24,8 +24,11 @@ from services.worker.engine.decode_kernel import load_decode_kernel
 from services.worker.engine.decode_layers_kernel import DecodeLayers
 from services.worker.engine.linear_kernel import (
     TRANSPOSED_MAX_ROWS,
+    PackedProject,
     SmallBatchLinear,
+    choose_bfloat16_project,
     load_linear_kernel,
+    onednn_available,
 )
 from services.worker.engine.llm import LLM
 from services.worker.engine.loader import LoadedModel, ModelLoadError, load_model, save_hf_folder
@@ -55,6 +58,7 @@ from tests.unit.engine.test_structured_output import prompt as constrained_promp
 
 FAMILY_NAMES = ["qwen2", "qwen3", "mistral"]
 BLOCK_SIZE = 16
+CPU = torch.device("cpu")
 LOGIT_PROMPT = 64
 # fp32 logits of the engine against transformers' (measured max |diff| over all 64 positions,
 # both paths, all three families: 0.7e-5 to 4.0e-5, logits up to 8.3 in size).
@@ -265,36 +269,62 @@ def test_logits_match_transformers_at_every_position(
         torch.testing.assert_close(logits, expected, atol=LOGIT_TOLERANCE, rtol=LOGIT_TOLERANCE)
 
 
+KERNEL_MODELS = ["float32", "int8", "bfloat16"]
+"""The models the fused layers are checked on: float32 and int8 weights (the float32 build of
+decode_layers.c), and bfloat16 (its bfloat16 build)."""
+
+
+def kernel_model(kind: str, family_dir: Path, loaded: LoadedModel) -> LoadedModel:
+    if kind == "bfloat16" and not onednn_available():
+        pytest.skip("a bfloat16 model's projections need torch's oneDNN")
+    if kind == "int8":
+        return load_model(str(family_dir), quantization="int8")
+    return load_model(str(family_dir), dtype=torch.bfloat16) if kind == "bfloat16" else loaded
+
+
 def kernel_runner(
     model: LoadedModel, prompts: int, fuse: bool, *, prefill: bool = False
 ) -> ModelRunner:
-    """A runner on the CPU kernels (larger steps on panels), 4 blocks a prompt; chunks attend
-    on the prefill kernel only when asked (through torch otherwise)."""
-    threads = torch.get_num_threads()
+    """A runner on the CPU kernels of the model's dtype (a float32 model's larger steps on
+    panels; a bfloat16 model's as the engine chooses), 4 blocks a prompt; chunks attend on the
+    prefill kernel only when asked (through torch otherwise)."""
+    threads, dtype = torch.get_num_threads(), model.dtype
+    bfloat16 = dtype == torch.bfloat16
     return ModelRunner(
         model,
         num_blocks=4 * prompts,
         block_size=BLOCK_SIZE,
-        decode_kernel=load_decode_kernel(threads),
-        prefill_kernel=load_prefill_kernel(threads) if prefill else None,
-        rope_store_kernel=load_rope_store_kernel(threads),
-        linear_kernel=load_linear_kernel(threads, "panels"),
+        decode_kernel=load_decode_kernel(threads, dtype),
+        prefill_kernel=load_prefill_kernel(threads, dtype) if prefill else None,
+        rope_store_kernel=load_rope_store_kernel(threads, dtype),
+        linear_kernel=None if bfloat16 else load_linear_kernel(threads, "panels"),
+        project=choose_bfloat16_project("auto", "auto", CPU, dtype, threads) if bfloat16 else None,
         fuse_small_decodes=fuse,
     )
 
 
+def fused_panels(runner: ModelRunner) -> bool:
+    """Whether the runner's fused layers run steps past the small-batch kernel's rows on the
+    panel kernel (a bfloat16 model's only where the panel kernel has a bfloat16 build)."""
+    project = runner.project
+    if isinstance(project, PackedProject):
+        return project.crossover is not None
+    return True
+
+
 @pytest.mark.parametrize("rows", [1, 3, 20], ids=["one", "few", "panels"])
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("kind", KERNEL_MODELS)
 def test_fused_decode_layers_give_the_layer_by_layer_logits_exactly(
-    family_dir: Path, loaded: LoadedModel, quantization: str, rows: int
+    family_dir: Path, loaded: LoadedModel, kind: str, rows: int
 ) -> None:
     """Decode steps run all their layers in one C call (decode_layers_kernel.py) where the
     family's layers allow it (not Qwen3's per-head Q/K norm): the same kernels in the same
     order, so the logits equal the layer-by-layer path's bit for bit. One row runs on the
-    small-batch kernel; 3 float32 rows on the panel kernel (PANEL_MIN_ROWS), 3 int8 ones on the
-    small-batch kernel; 20 rows are past its rows: float32 projections on the panel kernel in
-    both paths, int8 ones layer by layer on torch."""
-    model = loaded if quantization == "none" else load_model(str(family_dir), quantization="int8")
+    small-batch kernel; 3 float32 rows on the panel kernel (PANEL_MIN_ROWS), 3 int8 or bfloat16
+    ones on the small-batch kernel; 20 rows are past its rows: float32 and bfloat16 projections
+    on the panel kernel in both paths (bfloat16: where it has a bfloat16 build, else oneDNN,
+    layer by layer), int8 ones layer by layer on torch."""
+    model = kernel_model(kind, family_dir, loaded)
     generator = torch.Generator().manual_seed(9)
     # One block, a part-filled second, past the tiny Mistral window.
     prompts = [
@@ -305,13 +335,11 @@ def test_fused_decode_layers_give_the_layer_by_layer_logits_exactly(
     steps: dict[bool, torch.Tensor] = {}
     for fuse in (True, False):
         runner = kernel_runner(model, len(prompts), fuse)
-        linear = runner.project
-        assert isinstance(linear, SmallBatchLinear)
         fused = runner.decode_layers
         assert (fused is not None) == (fuse and not loaded.config.qk_norm)
         if fused is not None:
-            assert rows > linear.max_rows or rows <= 3
-            assert (rows <= fused.max_rows) == (rows <= 3 or quantization == "none")
+            panels = fused_panels(runner) and kind != "int8"
+            assert (rows <= fused.max_rows) == (rows <= 3 or panels)
         runner.forward([BatchEntry(p[:-1], 0, t) for p, t in zip(prompts, tables, strict=True)])
         tokens, logits = [p[-1] for p in prompts], []
         for step in range(4):
@@ -325,17 +353,17 @@ def test_fused_decode_layers_give_the_layer_by_layer_logits_exactly(
     assert torch.equal(steps[True], steps[False])
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("kind", KERNEL_MODELS)
 def test_fused_layers_run_prefill_steps_with_the_layer_by_layer_logits_exactly(
-    family_dir: Path, loaded: LoadedModel, quantization: str, monkeypatch: pytest.MonkeyPatch
+    family_dir: Path, loaded: LoadedModel, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Steps with prefill chunks run their layers in the one C call too where every chunk
-    attends on the prefill kernel and the larger steps' projections run on panels (float32,
-    not int8): three whole prompts and the first chunk of a fourth in one step, then their
-    decode rows beside the fourth's second chunk (a prefix before it). The logits equal the
-    layer-by-layer path's bit for bit; a batch step (interruptible between layers) and the
+    attends on the prefill kernel and the larger steps' projections run on panels (float32 or
+    bfloat16, not int8): three whole prompts and the first chunk of a fourth in one step, then
+    their decode rows beside the fourth's second chunk (a prefix before it). The logits equal
+    the layer-by-layer path's bit for bit; a batch step (interruptible between layers) and the
     int8 model's steps still run layer by layer."""
-    model = loaded if quantization == "none" else load_model(str(family_dir), quantization="int8")
+    model = kernel_model(kind, family_dir, loaded)
     generator = torch.Generator().manual_seed(13)
     prompts = [
         torch.randint(0, loaded.config.vocab_size, (n,), generator=generator).tolist()
@@ -356,7 +384,8 @@ def test_fused_layers_run_prefill_steps_with_the_layer_by_layer_logits_exactly(
         runner = kernel_runner(model, len(prompts), fuse, prefill=True)
         fused = runner.decode_layers
         runs_prefills = fused is not None and fused.runs_prefills
-        assert runs_prefills == (fuse and not loaded.config.qk_norm and quantization == "none")
+        panels = fused_panels(runner) and kind != "int8"
+        assert runs_prefills == (fuse and not loaded.config.qk_norm and panels)
         layer_by_layer_steps = 0
         first = runner.forward(
             [BatchEntry(p, 0, t) for p, t in zip(prompts[:3], tables[:3], strict=True)]

@@ -1,5 +1,5 @@
-/* Every decoder layer of a step in one call (CPU, float32): a decode step, or a step with
- * prefill chunks (after its decode rows, if any).
+/* Every decoder layer of a step in one call (CPU, float32 or bfloat16): a decode step, or a
+ * step with prefill chunks (after its decode rows, if any).
  *
  * A batch-1 decode step is ~30 layers of small work: five kernel calls a layer, and around
  * them Python builds views, checks shapes and reads each weight's address again. That glue
@@ -28,49 +28,75 @@
  *   hidden += attn Wo^T                                 small_batch_linear or panels, accumulate
  *   gu     = RMSNorm(hidden) Wgate_up^T                 small_batch_linear or panels
  *   hidden += SwiGLU(gu) Wdown^T                        small_batch_linear or panels, accumulate
+ *
+ * Built with -DKV_BFLOAT16 (kernel_build.KV_BUILDS), it runs a bfloat16 model's layers: the
+ * activations, weights and cache are bfloat16, the projections the bfloat16 builds'
+ * (bfloat16_small_batch_linear, or bfloat16_projection_input then panel_linear_bfloat16), and
+ * around the attention kernels, which compute in float32, the queries are widened and the
+ * output rounded once, as the layer-by-layer path's q.float() and out.to(bfloat16) do: the
+ * same numbers as that path, bit for bit, as in float32.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef int (*Linear)(const float *x, int64_t rows, int64_t x_stride, const float *norm_weight,
-                      float eps, int gated, const void *w, const uint16_t *scales,
-                      const float *bias, int64_t in, int64_t outs, float *y, int accumulate,
+#include "kv_element.h"
+
+/* A model's activations, weights and KV cache are of one dtype: float32, or bfloat16 in the
+ * KV_BFLOAT16 build. The attention kernels take float32 queries and give float32 outputs in
+ * both. */
+typedef kv_t element;
+
+#if defined(KV_BFLOAT16)
+/* bfloat16_small_batch_linear (no int8 weights: no scales). */
+typedef int (*Linear)(const element *x, int64_t rows, int64_t x_stride,
+                      const element *norm_weight, float eps, int gated, const void *w,
+                      const element *bias, int64_t in, int64_t outs, element *y, int accumulate,
                       int threads);
-typedef void (*RopeStore)(float *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
+#define SCALES_OF(projection)
+#else
+/* small_batch_linear: float32 or int8 weights (with their bfloat16 scales). */
+typedef int (*Linear)(const element *x, int64_t rows, int64_t x_stride,
+                      const element *norm_weight, float eps, int gated, const void *w,
+                      const uint16_t *scales, const element *bias, int64_t in, int64_t outs,
+                      element *y, int accumulate, int threads);
+#define SCALES_OF(projection) (projection)->scales,
+#endif
+typedef void (*RopeStore)(element *qkv, int64_t tokens, int64_t row_stride, int64_t heads,
                           int64_t kv_heads, int64_t head_dim, const float *rotations,
-                          const int64_t *slots, float *key_slots, float *value_slots,
+                          const int64_t *slots, element *key_slots, element *value_slots,
                           int threads);
-typedef int (*Attention)(const float *q, const float *key_cache, const float *value_cache,
+typedef int (*Attention)(const float *q, const element *key_cache, const element *value_cache,
                          const int64_t *block_tables, const int64_t *context_lens, float *out,
                          int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t max_blocks, int64_t window, float scale,
                          int threads);
-typedef int (*PrefillAttention)(const float *q, int64_t q_row_stride, const float *key_cache,
-                                const float *value_cache, const int64_t *block_table,
+typedef int (*PrefillAttention)(const float *q, int64_t q_row_stride, const element *key_cache,
+                                const element *value_cache, const int64_t *block_table,
                                 float *out, int64_t chunk, int64_t prefix_len, int64_t heads,
                                 int64_t kv_heads, int64_t head_dim, int64_t block_size,
                                 int64_t window, float scale, int threads);
-typedef void (*ProjectionInput)(const float *x, int64_t rows, int64_t x_stride,
-                                const float *norm_weight, float eps, int gated, int64_t in,
-                                float *out, int threads);
-typedef void (*PanelLinear)(const float *x, int64_t rows, int64_t x_stride, int64_t ins,
-                            const float *panels, const float *bias, int64_t outs, float *y,
-                            int accumulate, int threads);
+typedef int (*ProjectionInput)(const element *x, int64_t rows, int64_t x_stride,
+                               const element *norm_weight, float eps, int gated, int64_t in,
+                               element *out, int threads);
+typedef void (*PanelLinear)(const element *x, int64_t rows, int64_t x_stride, int64_t ins,
+                            const element *panels, const element *bias, int64_t outs,
+                            element *y, int accumulate, int threads);
 
-/* One projection as small_batch_linear takes it (scales: int8 weights' bfloat16 scales), and
- * its weights packed for panel_linear (NULL where steps of more rows do not run on it). */
+/* One projection as the small-batch kernel takes it (scales: int8 weights' bfloat16 scales,
+ * float32 build only), and its weights packed for the panel kernel (NULL where steps of more
+ * rows do not run on it). */
 typedef struct {
     const void *weight;
     const uint16_t *scales;
-    const float *bias;
-    const float *panels;
+    const element *bias;
+    const element *panels;
 } Projection;
 
 typedef struct {
-    const float *input_norm, *post_attention_norm;
+    const element *input_norm, *post_attention_norm;
     Projection qkv, o, gate_up, down;
-    float *key_cache, *value_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] */
+    element *key_cache, *value_cache; /* this layer's [blocks, block_size, kv_heads, head_dim] */
 } Layer;
 
 /* A prefill chunk: rows [row_start, row_start + rows) of the step, its sequence's
@@ -97,17 +123,18 @@ typedef struct {
 
 /* y (=, or += with accumulate) f(x) W^T + bias, as the layer-by-layer path computes it for
  * `rows` rows: f the norm (norm_weight), the SwiGLU (gated) or nothing; x [rows, in], or
- * [rows, 2 in] gated. scratch holds rows x in floats for f(x) on the panel path. */
-static int project(const Model *model, const float *x, int64_t rows, int64_t x_stride,
-                   const float *norm_weight, int gated, const Projection *projection, int64_t in,
-                   int64_t outs, float *y, int accumulate, float *scratch) {
+ * [rows, 2 in] gated. scratch holds rows x in elements for f(x) on the panel path. */
+static int project(const Model *model, const element *x, int64_t rows, int64_t x_stride,
+                   const element *norm_weight, int gated, const Projection *projection,
+                   int64_t in, int64_t outs, element *y, int accumulate, element *scratch) {
     if (rows <= model->small_rows)
         return model->linear(x, rows, x_stride, norm_weight, model->eps, gated,
-                             projection->weight, projection->scales, projection->bias, in,
+                             projection->weight, SCALES_OF(projection) projection->bias, in,
                              outs, y, accumulate, model->threads);
     if (norm_weight != NULL || gated) {
-        model->projection_input(x, rows, x_stride, norm_weight, model->eps, gated, in, scratch,
-                                model->threads);
+        const int status = model->projection_input(x, rows, x_stride, norm_weight, model->eps,
+                                                   gated, in, scratch, model->threads);
+        if (status != 0) return status;
         x = scratch;
         x_stride = in;
     }
@@ -116,10 +143,41 @@ static int project(const Model *model, const float *x, int64_t rows, int64_t x_s
     return 0;
 }
 
+/* Rows [first, first + count) of qkv's queries (its first q_width elements a row) as float32
+ * rows of q, q_width apart, as the attention kernels read them: copied, or widened from
+ * bfloat16. */
+static void widen_queries(const element *qkv, int64_t qkv_width, int64_t q_width, int64_t first,
+                          int64_t count, float *q) {
+    for (int64_t r = first; r < first + count; r++)
+        for (int64_t k = 0; k < q_width; k++)
+            q[r * q_width + k] = kv_value(qkv[r * qkv_width + k]);
+}
+
+/* One chunk's attention into its rows of out: its queries read in place in qkv in the float32
+ * build, widened into its rows of q first in the bfloat16 one. */
+static int attend_chunk(const Model *model, const Layer *layer, const Chunk *chunk,
+                        const element *qkv, int64_t qkv_width, int64_t q_width, float *q,
+                        float *out) {
+#if defined(KV_BFLOAT16)
+    widen_queries(qkv, qkv_width, q_width, chunk->row_start, chunk->rows, q);
+    const float *queries = q + chunk->row_start * q_width;
+    const int64_t stride = q_width;
+#else
+    (void)q;
+    const float *queries = qkv + chunk->row_start * qkv_width;
+    const int64_t stride = qkv_width;
+#endif
+    return model->prefill_attention(queries, stride, layer->key_cache, layer->value_cache,
+                                    chunk->block_table, out + chunk->row_start * q_width,
+                                    chunk->rows, chunk->prefix_len, model->heads,
+                                    model->kv_heads, model->head_dim, model->block_size,
+                                    model->window, model->scale, model->threads);
+}
+
 /* The first decode_rows rows are decode rows (block_tables [decode_rows, max_blocks] and
  * context_lens theirs; unread when there are none), the chunks the rest.
  * Returns 0, -1 when scratch memory could not be allocated, or a kernel's own failure. */
-int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, float *hidden,
+int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, element *hidden,
                   int64_t rows, const float *rotations, const int64_t *slots,
                   int64_t decode_rows, const int64_t *block_tables, const int64_t *context_lens,
                   int64_t max_blocks, const Chunk *chunks, int64_t num_chunks) {
@@ -130,14 +188,20 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, f
     const int64_t widest = model->intermediate > model->hidden ? model->intermediate
                                                                 : model->hidden;
     const int panels = rows > model->small_rows;
-    float *qkv = malloc(sizeof(float) * rows * qkv_width);
-    /* The decode kernel reads its rows' queries contiguous; chunks read theirs in qkv. */
-    float *q = malloc(sizeof(float) * (decode_rows > 0 ? decode_rows : 1) * q_width);
-    float *attn = malloc(sizeof(float) * rows * q_width);
-    float *gate_up = malloc(sizeof(float) * rows * gate_up_width);
+    element *qkv = malloc(sizeof(element) * rows * qkv_width);
+    /* The decode kernel reads its rows' queries contiguous; in the float32 build the chunks
+     * read theirs in qkv. */
+    const int64_t query_rows = KV_ELEMENT_IS_FLOAT ? decode_rows : rows;
+    float *q = malloc(sizeof(float) * (query_rows > 0 ? query_rows : 1) * q_width);
+    /* The attention kernels' float32 output, and the o projection's input: one buffer in
+     * the float32 build; in the bfloat16 one rounded from the first into the second. */
+    float *attn_out = malloc(sizeof(float) * rows * q_width);
+    element *attn = KV_ELEMENT_IS_FLOAT ? (element *)attn_out
+                                        : malloc(sizeof(element) * rows * q_width);
+    element *gate_up = malloc(sizeof(element) * rows * gate_up_width);
     /* f(x) of the panel path's projections: the normed hidden rows or the SwiGLU's. */
-    float *scratch = panels ? malloc(sizeof(float) * rows * widest) : NULL;
-    int status = qkv && q && attn && gate_up && (scratch || !panels) ? 0 : -1;
+    element *scratch = panels ? malloc(sizeof(element) * rows * widest) : NULL;
+    int status = qkv && q && attn_out && attn && gate_up && (scratch || !panels) ? 0 : -1;
     for (int64_t l = 0; l < num_layers && status == 0; l++) {
         const Layer *layer = layers + l;
         status = project(model, hidden, rows, model->hidden, layer->input_norm, 0, &layer->qkv,
@@ -146,22 +210,18 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, f
         model->rope_store(qkv, rows, qkv_width, model->heads, model->kv_heads, model->head_dim,
                           rotations, slots, layer->key_cache, layer->value_cache, threads);
         if (decode_rows > 0) {
-            for (int64_t r = 0; r < decode_rows; r++)
-                memcpy(q + r * q_width, qkv + r * qkv_width, sizeof(float) * q_width);
+            widen_queries(qkv, qkv_width, q_width, 0, decode_rows, q);
             status = model->attention(q, layer->key_cache, layer->value_cache, block_tables,
-                                      context_lens, attn, decode_rows, model->heads,
+                                      context_lens, attn_out, decode_rows, model->heads,
                                       model->kv_heads, model->head_dim, model->block_size,
                                       max_blocks, model->window, model->scale, threads);
         }
-        for (int64_t c = 0; c < num_chunks && status == 0; c++) {
-            const Chunk *chunk = chunks + c;
-            status = model->prefill_attention(
-                qkv + chunk->row_start * qkv_width, qkv_width, layer->key_cache,
-                layer->value_cache, chunk->block_table, attn + chunk->row_start * q_width,
-                chunk->rows, chunk->prefix_len, model->heads, model->kv_heads, model->head_dim,
-                model->block_size, model->window, model->scale, threads);
-        }
+        for (int64_t c = 0; c < num_chunks && status == 0; c++)
+            status = attend_chunk(model, layer, chunks + c, qkv, qkv_width, q_width, q,
+                                  attn_out);
         if (status != 0) break;
+        if (!KV_ELEMENT_IS_FLOAT)
+            for (int64_t k = 0; k < rows * q_width; k++) attn[k] = kv_rounded(attn_out[k]);
         status = project(model, attn, rows, q_width, NULL, 0, &layer->o, q_width, model->hidden,
                          hidden, 1, scratch);
         if (status != 0) break;
@@ -173,7 +233,8 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, f
     }
     free(qkv);
     free(q);
-    free(attn);
+    if ((void *)attn != (void *)attn_out) free(attn);
+    free(attn_out);
     free(gate_up);
     free(scratch);
     return status;

@@ -415,9 +415,10 @@ static void swiglu_row(const float *restrict gate_up, int64_t in, float *restric
 
 /* out = f(x) for `rows` rows (the norm, or the SwiGLU when gated), rows split over the
  * threads: one pass over x where torch's ops take six (RMSNorm) or two (SwiGLU). Used in
- * front of the larger steps' matmuls, which the kernel does not compute. out [rows, in]. */
-void projection_input(const float *x, int64_t rows, int64_t x_stride, const float *norm_weight,
-                      float eps, int gated, int64_t in, float *out, int num_threads) {
+ * front of the larger steps' matmuls, which the kernel does not compute. out [rows, in].
+ * Returns 0 (it allocates nothing: the status of bfloat16_projection_input's signature). */
+int projection_input(const float *x, int64_t rows, int64_t x_stride, const float *norm_weight,
+                     float eps, int gated, int64_t in, float *out, int num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t m = 0; m < rows; m++) {
         if (gated)
@@ -425,6 +426,7 @@ void projection_input(const float *x, int64_t rows, int64_t x_stride, const floa
         else
             rms_norm_row(x + m * x_stride, norm_weight, eps, in, out + m * in);
     }
+    return 0;
 }
 
 /* Row m of a bfloat16 model's x widened into `row` (width floats), and f(x) in float32 into
