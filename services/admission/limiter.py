@@ -95,8 +95,10 @@ class GradientSettings:
     quieter machine is forgotten."""
     late_tolerance: float = 0.1
     """Share of a window's requests that may miss the deadline their admission expected them
-    to meet without shrinking the limit: the expected service covers the 90th percentile of
-    recent requests (calibration.py), so about a tenth run over it by design."""
+    to meet without shrinking the limit: the expected service covers the 75th percentile of
+    recent requests (calibration.py), so a quarter run over it by design and some of those
+    that were admitted with little time to spare miss; more than a tenth says the batch is too
+    slow for the deadlines."""
     max_decrease: float = 0.5
     """The most one window may take off: the limit at most halves at once."""
     smoothing: float = 0.5
