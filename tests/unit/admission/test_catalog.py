@@ -8,6 +8,7 @@ import pytest
 
 from kvmesh.errors import Unavailable
 from services.admission.catalog import ModelCatalog, ModelSpec
+from tests.fake_clock import FakeClock
 
 
 class SlowRouter:
@@ -24,16 +25,8 @@ class SlowRouter:
         return [ModelSpec(f"tier-{self.calls}")]
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def test_a_stale_list_serves_while_it_is_refetched() -> None:
-    router, clock = SlowRouter(), Clock()
+    router, clock = SlowRouter(), FakeClock()
     catalog = ModelCatalog(
         router.list_models, tokenizer_specs={}, default_tokenizer="x", refresh_s=2.0, clock=clock
     )
@@ -52,7 +45,7 @@ async def test_a_stale_list_serves_while_it_is_refetched() -> None:
 
 
 async def test_close_stops_a_refresh_still_running() -> None:
-    router, clock = SlowRouter(), Clock()
+    router, clock = SlowRouter(), FakeClock()
     catalog = ModelCatalog(
         router.list_models, tokenizer_specs={}, default_tokenizer="x", refresh_s=2.0, clock=clock
     )
@@ -77,7 +70,7 @@ class StartingRouter:
 
 
 async def test_a_list_made_before_the_workers_reported_is_refetched_in_the_request() -> None:
-    router, clock = StartingRouter(), Clock()
+    router, clock = StartingRouter(), FakeClock()
     catalog = ModelCatalog(
         router.list_models, tokenizer_specs={}, default_tokenizer="x", refresh_s=2.0, clock=clock
     )

@@ -8,13 +8,7 @@ import pytest
 
 from kvmesh.errors import InvalidArgument
 from services.admission.idempotency import Claim, IdempotencyStore
-
-
-class Clock:
-    now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 async def test_a_repeated_key_returns_the_first_result() -> None:
@@ -65,7 +59,7 @@ async def test_a_key_reused_for_another_request_is_refused() -> None:
 
 
 async def test_memory_is_bounded_and_entries_expire() -> None:
-    clock = Clock()
+    clock = FakeClock()
     store = IdempotencyStore[str](capacity=2, ttl_s=10, clock=clock)
     for key in "abc":
         claim = await store.claim("t", key, b"r")

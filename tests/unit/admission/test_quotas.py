@@ -7,25 +7,17 @@ import pytest
 from kvmesh.errors import InvalidArgument, ResourceExhausted
 from kvmesh.tenants import Tenant
 from services.admission.quotas import MemoryCounters, Quotas
-
-
-class Clock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
+from tests.fake_clock import FakeClock
 
 ACME = Tenant(name="acme", key_sha256="", tokens_per_minute=100, daily_tokens=250)
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock(1_700_000_000.0 - 1_700_000_000.0 % 86_400 + 30.0)  # 30 s into a UTC day
+def clock() -> FakeClock:
+    return FakeClock(1_700_000_000.0 - 1_700_000_000.0 % 86_400 + 30.0)  # 30 s into a UTC day
 
 
-async def test_reserve_until_the_minute_budget_is_spent(clock: Clock) -> None:
+async def test_reserve_until_the_minute_budget_is_spent(clock: FakeClock) -> None:
     quotas = Quotas(MemoryCounters(), clock=clock)
     await quotas.reserve(ACME, 60)
     await quotas.reserve(ACME, 40)
@@ -38,7 +30,7 @@ async def test_reserve_until_the_minute_budget_is_spent(clock: Clock) -> None:
     assert await quotas.used(ACME) == (100, 100)
 
 
-async def test_settle_gives_back_what_was_not_used(clock: Clock) -> None:
+async def test_settle_gives_back_what_was_not_used(clock: FakeClock) -> None:
     quotas = Quotas(MemoryCounters(), clock=clock)
     reservation = await quotas.reserve(ACME, 90)
     await quotas.settle(reservation, 30)
@@ -47,14 +39,14 @@ async def test_settle_gives_back_what_was_not_used(clock: Clock) -> None:
     await quotas.reserve(ACME, 70)
 
 
-async def test_release_returns_everything(clock: Clock) -> None:
+async def test_release_returns_everything(clock: FakeClock) -> None:
     quotas = Quotas(MemoryCounters(), clock=clock)
     reservation = await quotas.reserve(ACME, 90)
     await quotas.release(reservation)
     assert await quotas.used(ACME) == (0, 0)
 
 
-async def test_a_new_minute_starts_empty_but_the_day_remembers(clock: Clock) -> None:
+async def test_a_new_minute_starts_empty_but_the_day_remembers(clock: FakeClock) -> None:
     quotas = Quotas(MemoryCounters(), clock=clock)
     await quotas.reserve(ACME, 100)
     clock.now += 60
@@ -67,7 +59,7 @@ async def test_a_new_minute_starts_empty_but_the_day_remembers(clock: Clock) -> 
 
 
 async def test_settling_after_the_window_rolled_over_leaves_the_new_window_alone(
-    clock: Clock,
+    clock: FakeClock,
 ) -> None:
     quotas = Quotas(MemoryCounters(), clock=clock)
     reservation = await quotas.reserve(ACME, 80)
@@ -77,14 +69,14 @@ async def test_settling_after_the_window_rolled_over_leaves_the_new_window_alone
     assert minute == 0 and day == 10
 
 
-async def test_a_request_larger_than_the_whole_budget_is_invalid(clock: Clock) -> None:
+async def test_a_request_larger_than_the_whole_budget_is_invalid(clock: FakeClock) -> None:
     quotas = Quotas(MemoryCounters(), clock=clock)
     with pytest.raises(InvalidArgument) as raised:
         await quotas.reserve(ACME, 101)
     assert raised.value.field == "sampling.max_tokens"
 
 
-async def test_unlimited_tenants_and_isolation(clock: Clock) -> None:
+async def test_unlimited_tenants_and_isolation(clock: FakeClock) -> None:
     quotas = Quotas(MemoryCounters(), clock=clock)
     free = Tenant(name="free", key_sha256="")
     for _ in range(10):

@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from services.worker.engine.throughput import ThroughputMeter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fake_clock import FakeClock
 
 
 def test_the_window_average_and_the_peak_it_reached() -> None:
-    clock = Clock()
+    clock = FakeClock(1000.0)
     meter = ThroughputMeter(window_s=10.0, clock=clock)
     assert (meter.tokens_per_second(), meter.peak_tokens_per_second()) == (0.0, 0.0)
     for _ in range(10):  # 40 tokens a second for 10 s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.router.rates import DECODE_HORIZON_S, PrefillFit, RateBook
+from tests.fake_clock import FakeClock
 
 
 def test_prefill_time_is_fitted_as_base_plus_per_token() -> None:
@@ -41,16 +42,8 @@ def test_old_prefill_samples_fade() -> None:
     assert fit.line()[1] == pytest.approx(0.004, rel=0.05)
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_step_time_is_the_time_between_tokens_averaged_per_token() -> None:
-    clock = _Clock()
+    clock = FakeClock(100.0)
     book = RateBook(clock)
     book.observe_gap("d0", 1, 0.03)
     assert book.step_s("d0") == pytest.approx(0.03)
@@ -64,7 +57,7 @@ def test_the_step_time_is_the_time_between_tokens_averaged_per_token() -> None:
 
 
 def test_the_step_time_follows_the_load_over_seconds_not_one_wave_of_prefills() -> None:
-    clock = _Clock()
+    clock = FakeClock(100.0)
     book = RateBook(clock)
     # 60 streams decoding at 100 ms a step for 20 s.
     for _ in range(200):

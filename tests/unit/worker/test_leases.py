@@ -8,22 +8,15 @@ import pytest
 
 from kvmesh.errors import NotFound, PermissionDenied
 from services.worker.leases import LeaseRecord, LeaseSweeper, LeaseTable
+from tests.fake_clock import FakeClock
 
 ROUTER = "router"
 PULLER = "127.0.0.1:50062"
 HOLDERS = frozenset({ROUTER, PULLER})
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_grant_get_take() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = LeaseTable(ttl_s=30.0, clock=clock, wall_clock=lambda: 1000.0)
     lease = table.grant("h1", [b"a", b"b"], 20, HOLDERS)
     assert table.get(lease.lease_id, PULLER) is lease
@@ -40,7 +33,7 @@ def test_grant_get_take() -> None:
 
 @pytest.mark.parametrize("stranger", ["", "127.0.0.1:50063", "gateway"])
 def test_a_lease_serves_only_its_holders(stranger: str) -> None:
-    table = LeaseTable(ttl_s=30.0, clock=Clock())
+    table = LeaseTable(ttl_s=30.0, clock=FakeClock(100.0))
     lease = table.grant("h1", [b"a"], 3, HOLDERS)
     with pytest.raises(PermissionDenied, match="not granted"):
         table.get(lease.lease_id, stranger)
@@ -52,7 +45,7 @@ def test_a_lease_serves_only_its_holders(stranger: str) -> None:
 
 
 def test_a_caller_may_shorten_the_ttl_never_lengthen_it() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = LeaseTable(ttl_s=30.0, clock=clock)
     assert table.grant("h", [b"a"], 1, HOLDERS, ttl_s=0.5).expires_at == 100.5
     assert table.grant("h2", [b"a"], 1, HOLDERS, ttl_s=0).expires_at == 130.0
@@ -61,7 +54,7 @@ def test_a_caller_may_shorten_the_ttl_never_lengthen_it() -> None:
 
 
 def test_expired_lease_is_not_found_before_the_sweep() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = LeaseTable(ttl_s=1.0, clock=clock)
     lease = table.grant("h1", [b"a"], 3, HOLDERS)
     clock.now += 1.0
@@ -71,7 +64,7 @@ def test_expired_lease_is_not_found_before_the_sweep() -> None:
 
 
 def test_take_expired_keeps_live_leases() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = LeaseTable(ttl_s=1.0, clock=clock)
     old = table.grant("old", [b"a"], 3, HOLDERS)
     clock.now += 0.6
@@ -84,7 +77,7 @@ def test_take_expired_keeps_live_leases() -> None:
 
 
 async def test_sweeper_releases_expired_leases() -> None:
-    clock = Clock()
+    clock = FakeClock(100.0)
     table = LeaseTable(ttl_s=10.0, clock=clock)
     released: list[str] = []
     ticks: list[int] = []
