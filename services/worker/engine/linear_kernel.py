@@ -114,6 +114,7 @@ class LayerProjections:
     panels: PanelLinear | None
     """The panel kernel for the steps of more rows (None: those never run in one call)."""
     threads: int
+    """OpenMP threads of each kernel call."""
 
 
 class SmallBatchLinear:
