@@ -36,7 +36,7 @@ CONCURRENCY_LIMIT = Gauge(
 )
 SERVICE_CALIBRATION = Gauge(
     "kvmesh:admission_service_calibration",
-    "Factor on the workers' expected service time: recent requests' actual over expected (p90).",
+    "Factor on the workers' expected service time: recent requests' actual over expected (p75).",
 )
 WAIT_MARGIN = Gauge(
     "kvmesh:admission_wait_margin_seconds",
