@@ -34,7 +34,6 @@ from services.worker.engine.decode_layers_kernel import (
 )
 from services.worker.engine.huge_pages import huge_page_bytes
 from services.worker.engine.kernel_build import KernelUnavailable
-from services.worker.engine.linear_crossover import Crossover
 from services.worker.engine.linear_kernel import (
     PackedProject,
     SmallBatchLinear,
@@ -119,13 +118,7 @@ class ModelRunner:
             isinstance(project, PackedProject) and project.streams_weights
         ):
             place_weights(loaded.model)
-        self.onednn_from_rows = self._measure_crossover(
-            linear_kernel.crossover
-            if linear_kernel is not None
-            else project.crossover
-            if isinstance(project, PackedProject)
-            else None
-        )
+        self.onednn_from_rows = self._measure_crossover()
         """Steps of this many rows or more run layer by layer: oneDNN runs some of their
         projections, which decode_layers.c does not call (None: every step may fuse)."""
         self.num_blocks = num_blocks
@@ -147,10 +140,15 @@ class ModelRunner:
             self._decode_layers(rope_store_kernel, decode_kernel) if fuse_small_decodes else None
         )
 
-    def _measure_crossover(self, crossover: Crossover | None) -> int | None:
-        """Where the projections measure oneDNN against the panel kernel (the linear kernel's
-        float32 ones, or a bfloat16 model's PackedProject), measures this model's layer
-        projections and returns the fewest rows any of them runs on oneDNN from."""
+    def _measure_crossover(self) -> int | None:
+        """Where the runner's Project measures oneDNN against the panel kernel (the linear
+        kernel's float32 projections, or a bfloat16 model's PackedProject), measures this
+        model's layer projections and returns the fewest rows any of them runs on oneDNN
+        from."""
+        project = self.project
+        crossover = (
+            project.crossover if isinstance(project, SmallBatchLinear | PackedProject) else None
+        )
         if crossover is None or not isinstance(self.model, LlamaModel):
             return None
         layers = [
