@@ -147,7 +147,7 @@ def _wrap_unary(
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             if guard is not None:
-                guard.check(method, context)
+                await _admitted(guard, method, context, request if streaming else None)
             return await behavior(_requests(request, streaming), context)
         except KvmeshError as error:
             await _report(context, error, method)
@@ -161,6 +161,26 @@ def _wrap_unary(
             await _report(context, _internal(error, method), method)
 
     return wrapper
+
+
+REFUSED_STREAM_READ_S = 1.0
+"""How long a refused call with a request stream waits for the caller's first message."""
+
+
+async def _admitted(
+    guard: MeshGuard, method: str, context: grpc.aio.ServicerContext, requests: Any
+) -> None:
+    """The guard's check; a refused caller's request stream (requests) has its first message
+    read, or REFUSED_STREAM_READ_S waited for, before the refusal. A refusal that ends the
+    call while the client's first write is on its way makes the client's grpc end the call
+    as INTERNAL, hiding the refusal (and a later write raises InvalidStateError)."""
+    try:
+        guard.check(method, context)
+    except KvmeshError:
+        if requests is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(anext(aiter(requests), None), REFUSED_STREAM_READ_S)
+        raise
 
 
 def _wrap_stream(

@@ -258,6 +258,24 @@ async def test_a_member_may_call_only_what_its_role_needs(
     assert await _status(stack, rpc, caller) == grpc.StatusCode.PERMISSION_DENIED
 
 
+@pytest.mark.parametrize("caller", [WORKER, None], ids=["wrong-role", "no-identity"])
+async def test_a_refused_stream_gets_its_status_when_the_first_write_comes_late(
+    stack: Stack, caller: MeshMember | None
+) -> None:
+    """The refusal waits for the caller's first message: a refusal racing that write left
+    the client's grpc with INTERNAL instead (seen in CI), and a write after it ended the call
+    raised InvalidStateError."""
+    expected = (
+        grpc.StatusCode.UNAUTHENTICATED if caller is None else grpc.StatusCode.PERMISSION_DENIED
+    )
+    async with stack.channel("worker", caller) as channel:
+        call = worker_pb2_grpc.WorkerStub(channel).Generate()
+        await asyncio.sleep(0.2)  # the refusal, without the wait, is long sent
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _stream(call, worker_pb2.WorkerGenerateMessage(request=request("w", PROMPT)))
+    assert refused.value.code() == expected
+
+
 async def test_the_members_of_the_stack_get_through(stack: Stack) -> None:
     for rpc, caller in (
         ("Router.Status", OPERATOR),
