@@ -97,8 +97,9 @@ TCMALLOC = (
 )
 # kvmesh's default large-batch projections first (its figures), then the alternatives.
 LARGE_BATCH_MODES = ("auto", "onednn", "torch")
-# The panel kernel asking for its next panel ahead, and not: "auto" prefetches on Intel only
-# (linear_kernel.PREFETCH_BY_DEFAULT_VENDORS), so both are timed for the CPUs not yet decided.
+# The panel kernel asking for its next panel ahead, and not: "auto" prefetches on Intel and on
+# AMD with AVX-512 only (linear_kernel.PREFETCH_BY_DEFAULT), so both are timed for the CPUs
+# not yet decided.
 PANEL_PREFETCH_MODES = ("panels-prefetch", "panels")
 # What runs the larger steps' projections, by SmallBatchLinear.large's type.
 LARGE_PRODUCTS = {

@@ -65,12 +65,16 @@ PANEL_MIN_ROWS = 2
 # prefill 0.83-0.85x the time, 128 tokens 0.76-0.82x, 64 tokens beside 16 decode rows 0.72x,
 # decode steps of 2-4 rows 0.85-0.95x, of 8-16 rows 0.98-1.04x, of 32-64 rows 0.77-0.93x.
 PANELS_BY_DEFAULT_LANES = frozenset({8, 16})
-# The CPU vendors (/proc/cpuinfo's vendor_id) on which "auto" runs the panel kernel
-# prefetching its next panel, its rows in blocks that stay in L2 (kernels/panel_linear.c):
-# Intel, where SmolLM2-135M's decode-size projections took 0.64-0.74x the time and 1,024-row
-# ones 0.92x (family 6 model 207, AVX-512; 512 rows a tie). Not yet measured on AMD, where
-# asking for a whole panel at once had been slower (Zen 5).
-PREFETCH_BY_DEFAULT_VENDORS = frozenset({"GenuineIntel"})
+# The CPUs, by vendor (/proc/cpuinfo's vendor_id) and the kernels' vector width (kernel_lanes),
+# on which "auto" runs the panel kernel prefetching its next panel, its rows in blocks that
+# stay in L2 (kernels/panel_linear.c). Intel, where SmolLM2-135M's decode-size projections took
+# 0.64-0.74x the time and 1,024-row ones 0.92x (family 6 model 207, AVX-512; 512 rows a tie).
+# AMD with AVX-512: whole steps on a Zen 4 (2 cores), alternated in one process, min of 9, three
+# runs: 32-row decode 0.94-0.95x the time, 64 rows 0.95-1.00x, a 128-token prefill 0.95-0.96x,
+# 200 tokens 0.97-0.98x, 8 rows a tie, 2 rows 1.04-1.06x (a lone request's 1-row steps stay on
+# the small-batch kernel). AMD with AVX2 keeps the plain kernel until measured there (asking
+# for a whole panel at once, an earlier scheme, had been slower on a Zen 5).
+PREFETCH_BY_DEFAULT = frozenset({("GenuineIntel", 8), ("GenuineIntel", 16), ("AuthenticAMD", 16)})
 # From there up to this many rows, torch's matmul (MKL) is faster asked for the transposed
 # product W x^T than for x W^T (measured on the target CPU, side by side: decode steps of 32
 # rows 16% shorter, of 64 rows 10%; at 512 rows the plain product is faster again).
@@ -753,11 +757,12 @@ def large_product(mode: str, lanes: int, num_threads: int) -> LaidOutLinear | No
     """The product of the larger steps for EngineConfig.large_batch_linear: "panels" the panel
     kernel ("panels-prefetch" prefetching), "onednn" PackedLinear, "torch" None (torch's
     products); "auto" the panel kernel where the kernels' vectors are PANELS_BY_DEFAULT_LANES
-    floats wide (prefetching on PREFETCH_BY_DEFAULT_VENDORS; load_linear_kernel adds oneDNN
+    floats wide (prefetching on the PREFETCH_BY_DEFAULT CPUs; load_linear_kernel adds oneDNN
     from the rows it measures faster, linear_crossover.py), else oneDNN where torch has
     it."""
     if mode == "auto":
-        panels = "panels-prefetch" if cpu_vendor() in PREFETCH_BY_DEFAULT_VENDORS else "panels"
+        prefetch = (cpu_vendor(), lanes) in PREFETCH_BY_DEFAULT
+        panels = "panels-prefetch" if prefetch else "panels"
         default = "onednn" if onednn_available() else "torch"
         mode = panels if lanes in PANELS_BY_DEFAULT_LANES else default
     if mode in ("panels", "panels-prefetch"):
