@@ -106,12 +106,11 @@ class EngineConfig:
     for AVX-512 or AVX2, prefetching on Intel CPUs and AMD ones with AVX-512, where it was
     measured faster, and oneDNN from the rows at which the engine measures it faster when it
     is built (that many and more: layer by layer, linear_crossover.py); else oneDNN where
-    torch has it). A bfloat16
-    model on the CPU runs the projections of its steps of more rows on oneDNN with "onednn",
-    and with "auto" on the panel kernel's bfloat16 build where the kernels are built for
-    AVX-512 BF16 (oneDNN from the rows it measures faster at start-up), else oneDNN
-    (linear_kernel.PackedProject; its steps of few rows on the small-batch kernel unless
-    small_batch_linear is "torch"), on torch's matmul with the others."""
+    torch has it). A bfloat16 model on the CPU runs the projections of its steps of more rows
+    on oneDNN with "onednn", and with "auto" on the panel kernel's bfloat16 build where the
+    kernels are built for AVX-512 BF16 (oneDNN from the rows it measures faster at start-up),
+    else oneDNN (linear_kernel.PackedProject; its steps of few rows on the small-batch kernel
+    unless small_batch_linear is "torch"), on torch's matmul with the others."""
 
     keep_freed_memory: bool = True
     """On the CPU, have the C allocator keep the memory a step frees for the next step instead

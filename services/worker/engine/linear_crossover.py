@@ -54,7 +54,6 @@ then 0.05, sat on those ratios: oneDNN took 512 or 1,024 rows in some starts and
 others (a 1,056-token prefill 1.31 s in the one, 1.46 s in the other); 0.03 gave it 256 or
 512 rows in six starts of six."""
 
-
 Shape = tuple[int, int]
 
 
