@@ -156,6 +156,11 @@ class Coalescer(Generic[T]):
             self.interrupted = True
             self._queue.put_nowait(_WAKE)
 
+    def when_drained(self, callback: Callable[[], None]) -> None:
+        """Calls `callback` once the drain is over: `source` ended or failed, or aclose()
+        cancelled it (even before it started, when `source` never ran)."""
+        self._pump.add_done_callback(lambda _: callback())
+
     def interrupt_when(self, event: asyncio.Event) -> None:
         """interrupt() once `event` is set: one task for the iterator's life (racing every
         batch against the event took two tasks a batch, the most a token cost a hop)."""

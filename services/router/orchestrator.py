@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -247,7 +248,11 @@ class Orchestrator:
         if resumed is not None:
             attempt.first_token, attempt.sampled = resumed.first_token, resumed.sampled
         downstream = _downstream_request(job.request, plan.tier, job.request_id, job.attempts)
+        # Counted from placement, not from when the drain task first runs: requests that arrive
+        # together are placed before any drain runs, and would all see the same idle worker.
+        self.registry.occupy(plan.workers)
         events = Coalescer(self._attempt_events(attempt, downstream, job.deadline))
+        events.when_drained(functools.partial(self.registry.vacate, plan.workers))
         # The caller's cancel, or a worker of the attempt leaving the rotation (a frozen one,
         # stopped, not dead, would otherwise hold its calls until HTTP/2 keepalive gives up on
         # the connection), ends its events (_next_batch says which).
@@ -422,26 +427,18 @@ class Orchestrator:
         request: common_pb2.InferenceRequest,
         deadline: float | None,
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
-        """The events of one attempt, straight from the worker(s), with inflight counted."""
+        """The events of one attempt, straight from the worker(s)."""
         plan = attempt.plan
-        for worker in plan.workers:
-            worker.inflight += 1
-        try:
-            if plan.decode is None:
-                colocated = self.workers.colocated(
-                    plan.prefill.address, request, _time_left(deadline)
-                )
-                async with contextlib.aclosing(colocated):
-                    async for event in self._timed(attempt, request, colocated):
-                        yield event
-            else:
-                split = self._split(attempt, request, deadline)
-                async with contextlib.aclosing(split):
-                    async for event in self._timed(attempt, request, split):
-                        yield event
-        finally:
-            for worker in plan.workers:
-                worker.inflight -= 1
+        if plan.decode is None:
+            colocated = self.workers.colocated(plan.prefill.address, request, _time_left(deadline))
+            async with contextlib.aclosing(colocated):
+                async for event in self._timed(attempt, request, colocated):
+                    yield event
+        else:
+            split = self._split(attempt, request, deadline)
+            async with contextlib.aclosing(split):
+                async for event in self._timed(attempt, request, split):
+                    yield event
 
     async def _timed(
         self,

@@ -3,8 +3,9 @@
 - Tier: the requested one while it can serve; otherwise its fallback chain (marked fallback).
 - Prefill (and colocated) worker: the tier's placement policy (services/router/policies; by
   default prefix-affinity: the longest cached prefix of this prompt, weighed against load).
-- Decode worker: least-load (fewest requests on it, then most free KV blocks), among those
-  of the prefill worker's revision (model fingerprint, KV layout, kvmesh release).
+- Decode worker: least-load (fewest requests on it, then most free KV blocks, then the one
+  placed on least recently), among those of the prefill worker's revision (model
+  fingerprint, KV layout, kvmesh release).
 - A tier with a prefill and a decode worker in rotation runs split; otherwise colocated.
 - Workers of a failed attempt are avoided on the retry while another one is in rotation.
 

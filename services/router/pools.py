@@ -61,6 +61,9 @@ class WorkerState:
     """Block hashes in the worker's prefix cache at the latest refresh."""
     inflight: int = 0
     """Requests this router has on the worker now."""
+    last_placed: int = 0
+    """The registry's placement count when it last placed an attempt here (0: never);
+    least-load breaks a tie for the worker that has waited longest."""
     last_error: str = ""
     """Why the latest check failed (empty when it passed)."""
 
@@ -100,6 +103,7 @@ class PoolRegistry:
     config: PoolsConfig
     _workers: list[WorkerState] = field(default_factory=list)
     _departures: dict[str, asyncio.Event] = field(default_factory=dict)
+    _placements: int = 0
 
     def __post_init__(self) -> None:
         for tier in self.config.tiers:
@@ -179,6 +183,19 @@ class PoolRegistry:
             if worker.healthy and worker.stats is not None:
                 return worker.stats
         return None
+
+    def occupy(self, workers: tuple[WorkerState, ...]) -> None:
+        """Counts an attempt on `workers` from its placement on (before it starts there, so
+        the next placement sees it)."""
+        self._placements += 1
+        for worker in workers:
+            worker.inflight += 1
+            worker.last_placed = self._placements
+
+    def vacate(self, workers: tuple[WorkerState, ...]) -> None:
+        """The attempt placed on `workers` is over."""
+        for worker in workers:
+            worker.inflight -= 1
 
     def add(self, tier: str, role: Role, address: str) -> WorkerState:
         """Adds a worker to a pool; it joins the rotation once its first check passes."""

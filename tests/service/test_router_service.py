@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,6 +164,22 @@ async def test_prefill_goes_where_the_prefix_is_cached(mesh: Mesh) -> None:
     assert placement.expected_prefix_hit_tokens == 80
     assert "80 cached prefix tokens" in placement.reason
     assert result.finished.usage.cached_prompt_tokens == 80
+
+
+async def test_requests_that_arrive_together_are_spread_over_the_tier(mesh: Mesh) -> None:
+    # Placed before any of them starts on a worker: each must see the ones placed before it.
+    prompts = [[30 + i, *range(60, 100)] for i in range(4)]
+    sampling = common_pb2.SamplingParams(max_tokens=64, ignore_eos=True)
+    results = await asyncio.gather(
+        *(
+            route(mesh.stub, request(f"burst{i}", prompt, sampling, model="tiny"))
+            for i, prompt in enumerate(prompts)
+        )
+    )
+    placed = Counter(result.started.placement.prefill_worker for result in results)
+    assert placed == {mesh.address("p0"): 2, mesh.address("p1"): 2}
+    assert await all_idle([w.stub for w in mesh.workers.values()])
+    assert all(w.inflight == 0 for w in mesh.router.registry.workers())
 
 
 async def test_auto_routes_by_difficulty_and_falls_back_when_the_full_tier_is_down(

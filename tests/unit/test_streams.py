@@ -123,6 +123,23 @@ async def test_coalescer_ends_at_the_source_end_without_interrupt() -> None:
     await batches.aclose()
 
 
+async def test_coalescer_reports_the_drain_over_once_whether_the_source_ran_or_not() -> None:
+    calls: list[str] = []
+    ended = Coalescer(_items(["a"]))
+    ended.when_drained(lambda: calls.append("ended"))
+    assert await anext(ended) == ["a"]
+    assert await anext(ended, None) is None
+    await asyncio.sleep(0)
+    assert calls == ["ended"]
+    await ended.aclose()
+
+    never_ran = Coalescer(_items(["b"]))  # closed before its drain task took a step
+    never_ran.when_drained(lambda: calls.append("closed"))
+    await never_ran.aclose()
+    await asyncio.sleep(0)
+    assert calls == ["ended", "closed"]
+
+
 async def test_cancel_watch_sees_cancel_not_half_close() -> None:
     watch = CancelWatch(_items(["x", "cancel:stop"]), _reason, "r1")
     watch.start()

@@ -77,6 +77,36 @@ def test_decode_prefers_fewest_requests_then_most_free_kv() -> None:
     assert "1 requests, 50/100 KV blocks free" in pick.reason
 
 
+def test_idle_decode_workers_take_turns_when_requests_come_one_at_a_time() -> None:
+    # The second decode worker was added later (a scale-up): a tie on load and free KV goes to
+    # the worker placed on least recently, so the newcomer serves without concurrency.
+    pools = registry(tier("t", prefill=("p:1",), decode=("d:1", "d:2")))
+    for address in ("p:1", "d:1", "d:2"):
+        healthy(pools, address)
+    decoders = []
+    for _ in range(4):
+        plan = place(pools, PrefixAffinity(), resolve_tier(pools, "t"), PROMPT, b"", 32)
+        pools.occupy(plan.workers)
+        assert plan.decode is not None
+        decoders.append(plan.decode.address)
+        pools.vacate(plan.workers)  # finished before the next one arrives
+    assert decoders == ["d:1", "d:2", "d:1", "d:2"]
+    assert all(w.inflight == 0 for w in pools.workers())
+
+
+def test_a_placed_attempt_counts_until_it_is_vacated() -> None:
+    pools = registry(tier("t", prefill=("p:1",), decode=("d:1", "d:2")))
+    for address in ("p:1", "d:1", "d:2"):
+        healthy(pools, address)
+    first = place(pools, PrefixAffinity(), resolve_tier(pools, "t"), PROMPT, b"", 32)
+    pools.occupy(first.workers)
+    second = place(pools, PrefixAffinity(), resolve_tier(pools, "t"), PROMPT, b"", 32)
+    assert first.decode is not None and second.decode is not None
+    assert (first.decode.address, second.decode.address) == ("d:1", "d:2")
+    assert "d:2: 0 requests" in second.reason
+    assert [w.load for w in pools.workers()] == [1, 1, 0]
+
+
 def test_avoided_workers_are_used_only_without_alternative() -> None:
     pools = registry(tier("t", prefill=("p:1", "p:2"), decode=("d:1",)))
     for address in ("p:1", "p:2", "d:1"):
