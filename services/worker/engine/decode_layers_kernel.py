@@ -67,6 +67,7 @@ class _Chunk(ctypes.Structure):
         ("rows", _INT),
         ("prefix_len", _INT),
         ("block_table", _POINTER),
+        ("want_logits", _INT),
     ]
 
 
@@ -167,14 +168,20 @@ class DecodeLayers:
         """hidden [rows, hidden] contiguous (updated in place and returned); rotations [rows,
         1, head_dim / 2] complex; slots [rows] int64; decode: the first rows' (block tables
         and context lengths contiguous int64), prefills: the chunks after them, as the runner
-        plans them (only where runs_prefills). The caller guarantees the shapes."""
+        plans them (only where runs_prefills). The caller guarantees the shapes. With
+        prefills, only the first rows of the result are output: those of the step's
+        LastLayerRows, in its order (the last layer computes no other)."""
         pairs = torch.view_as_real(rotations).contiguous()
         tables = [span.block_ids.contiguous() for span in prefills]  # held: read by address
         chunks = (
             (_Chunk * len(prefills))(
                 *(
                     _Chunk(
-                        span.row_start, span.row_end - span.row_start, span.prefix_len, t.data_ptr()
+                        span.row_start,
+                        span.row_end - span.row_start,
+                        span.prefix_len,
+                        t.data_ptr(),
+                        span.want_logits,
                     )
                     for span, t in zip(prefills, tables, strict=True)
                 )

@@ -21,8 +21,10 @@ from services.worker.engine.attention import (
     AttentionBatch,
     DecodeGroup,
     KernelDecode,
+    LastLayerRows,
     LayerKvCache,
     PrefillSpan,
+    last_layer_rows,
 )
 from services.worker.engine.decode_kernel import DecodeKernel
 from services.worker.engine.decode_layers_kernel import (
@@ -68,6 +70,9 @@ class ForwardPlan:
     positions: torch.Tensor  # [T]
     attention: AttentionBatch
     logit_rows: torch.Tensor  # rows whose logits are returned, in the caller's entry order
+    # What the last layer computes past its K/V where that is fewer than all rows (a step
+    # with prefill chunks); run layer by layer, the model then returns only those rows.
+    last_layer_rows: LastLayerRows | None = None
 
 
 class ModelRunner:
@@ -227,8 +232,12 @@ class ModelRunner:
                     attention,
                     interrupt,
                     self.project,
+                    plan.last_layer_rows,
                 )
-            return self.model.compute_logits(hidden[plan.logit_rows], self.project)
+            # Either way the last layer output only the kept rows, where it kept fewer.
+            kept = plan.last_layer_rows
+            logit_rows = plan.logit_rows if kept is None else kept.logit_rows
+            return self.model.compute_logits(hidden[logit_rows], self.project)
 
     def _fused_layers(
         self, attention: AttentionBatch, interrupt: Callable[[], bool] | None
@@ -337,19 +346,21 @@ class ModelRunner:
             row_starts[position_in_order[i] + 1] - 1 for i, e in enumerate(batch) if e.want_logits
         ]
         device = self.device
+        attention = AttentionBatch(
+            slots=slots.to(device),
+            rope_store=self.rope_store_kernel,
+            decode_groups=decode_groups,
+            kernel_decode=kernel_decode,
+            prefills=prefills,
+        )
         return ForwardPlan(
             token_ids=torch.tensor(list(chain.from_iterable(e.token_ids for e in entries))).to(
                 device
             ),
             positions=positions.to(device),
-            attention=AttentionBatch(
-                slots=slots.to(device),
-                rope_store=self.rope_store_kernel,
-                decode_groups=decode_groups,
-                kernel_decode=kernel_decode,
-                prefills=prefills,
-            ),
+            attention=attention,
             logit_rows=torch.tensor(logit_rows, dtype=torch.long).to(device),
+            last_layer_rows=last_layer_rows(attention, logit_rows),
         )
 
     def _additive_mask(self, blocked: torch.Tensor) -> torch.Tensor:
@@ -407,6 +418,7 @@ class ModelRunner:
             prefix_len=entry.start_pos,
             kernel=self.prefill_kernel,
             window=self.config.sliding_window or 0,
+            want_logits=entry.want_logits,
         )
 
     def _prefill_mask(self, entry: BatchEntry) -> torch.Tensor | None:

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 from transformers import LlamaForCausalLM
 
+from services.worker.engine.attention import AttentionBatch, PrefillSpan, last_layer_rows
 from services.worker.engine.decode_kernel import load_decode_kernel
 from services.worker.engine.huge_pages import HUGE_PAGE_BYTES
 from services.worker.engine.linear_kernel import load_linear_kernel
@@ -20,6 +22,7 @@ from services.worker.engine.model_runner import (
     ModelRunner,
     padding_groups,
 )
+from services.worker.engine.models.llama import project_with_torch
 from services.worker.engine.prefill_kernel import load_prefill_kernel
 from services.worker.engine.rope_store_kernel import load_rope_store_kernel
 
@@ -115,6 +118,63 @@ def test_mixed_batch_with_chunked_prefill_matches_hf(
         hf_logits(tiny_hf, seqs["c"] + next_tokens["c"][:2])[-1],
     ]
     torch.testing.assert_close(step3, torch.stack(expected3), atol=1e-4, rtol=1e-4)
+
+
+def test_the_last_layer_computes_past_its_kv_only_the_rows_whose_logits_are_wanted(
+    tiny_loaded: LoadedModel, tiny_hf: LlamaForCausalLM
+) -> None:
+    vocab = tiny_loaded.config.vocab_size
+    rows_by_projection: list[tuple[nn.Module, int]] = []
+
+    def counted(module: nn.Module, x: torch.Tensor, **options: Any) -> torch.Tensor:
+        rows_by_projection.append((module, x.shape[0]))
+        return project_with_torch(module, x, **options)
+
+    runner = ModelRunner(tiny_loaded, num_blocks=16, block_size=BLOCK_SIZE, project=counted)
+    a, b, c = sequence(1, 20, vocab), sequence(2, 30, vocab), sequence(3, 9, vocab)
+    runner.forward([BatchEntry(a, 0, [0, 1])])
+    rows_by_projection.clear()
+    # Rows: a's decode (0), b's first 25 tokens (1-25, no logits), c's whole prompt (26-34).
+    logits = runner.forward(
+        [
+            BatchEntry(c, 0, [5]),
+            BatchEntry(b[:25], 0, [2, 3], want_logits=False),
+            BatchEntry(a[:1], 20, [0, 1]),
+        ]
+    )
+    last = tiny_loaded.model.decoder_layers()[-1]
+    first = tiny_loaded.model.decoder_layers()[0]
+    assert [rows for module, rows in rows_by_projection if module is first.o_proj] == [35]
+    assert [rows for module, rows in rows_by_projection if module is last.qkv_proj] == [35]
+    for projection in (last.o_proj, last.gate_up_proj, last.down_proj):
+        assert [rows for module, rows in rows_by_projection if module is projection] == [2]
+    expected = [hf_logits(tiny_hf, c)[-1], hf_logits(tiny_hf, [*a, a[0]])[-1]]
+    torch.testing.assert_close(logits, torch.stack(expected), atol=1e-4, rtol=1e-4)
+    # b's last-layer K/V was written for all 25 rows: its next chunk reads it.
+    rest = runner.forward([BatchEntry(b[25:], 25, [2, 3])])
+    torch.testing.assert_close(rest[0], hf_logits(tiny_hf, b)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_last_layer_rows_keep_decodes_and_each_final_chunks_last_query() -> None:
+    spans = [
+        PrefillSpan(2, 12, torch.tensor([4]), None, want_logits=False),
+        PrefillSpan(12, 20, torch.tensor([6, 7]), None, prefix_len=16),
+        PrefillSpan(20, 26, torch.tensor([9]), torch.zeros(6, 6)),
+    ]
+    batch = AttentionBatch(torch.arange(26), None, [], None, spans)
+    # Caller's order: the second chunk, decode row 1, the third chunk, decode row 0.
+    kept = last_layer_rows(batch, [19, 1, 25, 0])
+    assert kept is not None
+    assert kept.rows.tolist() == [0, 1, 19, 25]
+    assert kept.logit_rows.tolist() == [2, 1, 3, 0]
+    assert kept.attention.slots.tolist() == [0, 1, 19, 25]
+    second, third = kept.attention.prefills
+    assert (second.row_start, second.row_end, second.prefix_len) == (2, 3, 23)
+    assert second.block_ids.tolist() == [6, 7] and second.mask is None
+    assert (third.row_start, third.row_end, third.prefix_len) == (3, 4, 5)
+    assert third.mask is not None and third.mask.shape == (1, 6)
+    decodes_only = AttentionBatch(torch.arange(3), None, [], None, [])
+    assert last_layer_rows(decodes_only, [2, 0, 1]) is None
 
 
 def test_prompt_split_into_many_chunks_matches_one_prefill(tiny_loaded: LoadedModel) -> None:

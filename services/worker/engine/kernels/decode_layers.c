@@ -100,10 +100,12 @@ typedef struct {
 } Layer;
 
 /* A prefill chunk: rows [row_start, row_start + rows) of the step, its sequence's
- * prefix_len tokens before it in the cache, its block table covering the whole context. */
+ * prefix_len tokens before it in the cache, its block table covering the whole context;
+ * want_logits: whether its last row's output is wanted (the chunk reaches its prompt's end). */
 typedef struct {
     int64_t row_start, rows, prefix_len;
     const int64_t *block_table;
+    int64_t want_logits;
 } Chunk;
 
 typedef struct {
@@ -153,29 +155,56 @@ static void widen_queries(const element *qkv, int64_t qkv_width, int64_t q_width
             q[r * q_width + k] = kv_value(qkv[r * qkv_width + k]);
 }
 
-/* One chunk's attention into its rows of out: its queries read in place in qkv in the float32
- * build, widened into its rows of q first in the bfloat16 one. */
+/* The attention of a chunk's `count` queries from row `first` of the step (the whole chunk,
+ * or its last row alone) into rows [out_row, out_row + count) of out: its queries read in
+ * place in qkv in the float32 build, widened into their rows of q first in the bfloat16 one.
+ * Each sees the chunk's K/V before it, already in the cache. */
 static int attend_chunk(const Model *model, const Layer *layer, const Chunk *chunk,
-                        const element *qkv, int64_t qkv_width, int64_t q_width, float *q,
-                        float *out) {
+                        int64_t first, int64_t count, const element *qkv, int64_t qkv_width,
+                        int64_t q_width, float *q, float *out, int64_t out_row) {
 #if defined(KV_BFLOAT16)
-    widen_queries(qkv, qkv_width, q_width, chunk->row_start, chunk->rows, q);
-    const float *queries = q + chunk->row_start * q_width;
+    widen_queries(qkv, qkv_width, q_width, first, count, q);
+    const float *queries = q + first * q_width;
     const int64_t stride = q_width;
 #else
     (void)q;
-    const float *queries = qkv + chunk->row_start * qkv_width;
+    const float *queries = qkv + first * qkv_width;
     const int64_t stride = qkv_width;
 #endif
     return model->prefill_attention(queries, stride, layer->key_cache, layer->value_cache,
-                                    chunk->block_table, out + chunk->row_start * q_width,
-                                    chunk->rows, chunk->prefix_len, model->heads,
+                                    chunk->block_table, out + out_row * q_width, count,
+                                    chunk->prefix_len + first - chunk->row_start, model->heads,
                                     model->kv_heads, model->head_dim, model->block_size,
                                     model->window, model->scale, model->threads);
 }
 
+/* The last layer past its K/V computes only the rows whose output is read: the decode rows
+ * and the last row of each chunk that wants logits, moved to the front of hidden in that
+ * order (the runner's LastLayerRows). Attends those rows into out; returns how many rows
+ * there are, or -1 with *status set when an attention kernel failed. */
+static int64_t attend_kept_rows(const Model *model, const Layer *layer, const Chunk *chunks,
+                                int64_t num_chunks, int64_t decode_rows, element *hidden,
+                                const element *qkv, int64_t qkv_width, int64_t q_width,
+                                float *q, float *out, int *status) {
+    int64_t kept = decode_rows;
+    for (int64_t c = 0; c < num_chunks; c++) {
+        const Chunk *chunk = chunks + c;
+        if (!chunk->want_logits) continue;
+        const int64_t last = chunk->row_start + chunk->rows - 1;
+        *status = attend_chunk(model, layer, chunk, last, 1, qkv, qkv_width, q_width, q, out,
+                               kept);
+        if (*status != 0) return -1;
+        /* kept <= last: rows move only forward, each before its place is written. */
+        memmove(hidden + kept * model->hidden, hidden + last * model->hidden,
+                sizeof(element) * model->hidden);
+        kept++;
+    }
+    return kept;
+}
+
 /* The first decode_rows rows are decode rows (block_tables [decode_rows, max_blocks] and
- * context_lens theirs; unread when there are none), the chunks the rest.
+ * context_lens theirs; unread when there are none), the chunks the rest. With chunks, hidden
+ * ends holding the kept rows' output at its front (attend_kept_rows), else every row's.
  * Returns 0, -1 when scratch memory could not be allocated, or a kernel's own failure. */
 int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, element *hidden,
                   int64_t rows, const float *rotations, const int64_t *slots,
@@ -202,6 +231,7 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, e
     /* f(x) of the panel path's projections: the normed hidden rows or the SwiGLU's. */
     element *scratch = panels ? malloc(sizeof(element) * rows * widest) : NULL;
     int status = qkv && q && attn_out && attn && gate_up && (scratch || !panels) ? 0 : -1;
+    int64_t out_rows = rows; /* fewer in the last layer of a step with chunks */
     for (int64_t l = 0; l < num_layers && status == 0; l++) {
         const Layer *layer = layers + l;
         status = project(model, hidden, rows, model->hidden, layer->input_norm, 0, &layer->qkv,
@@ -216,19 +246,27 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, e
                                       model->kv_heads, model->head_dim, model->block_size,
                                       max_blocks, model->window, model->scale, threads);
         }
-        for (int64_t c = 0; c < num_chunks && status == 0; c++)
-            status = attend_chunk(model, layer, chunks + c, qkv, qkv_width, q_width, q,
-                                  attn_out);
         if (status != 0) break;
+        if (l == num_layers - 1 && num_chunks > 0) {
+            out_rows = attend_kept_rows(model, layer, chunks, num_chunks, decode_rows, hidden,
+                                        qkv, qkv_width, q_width, q, attn_out, &status);
+            if (status != 0 || out_rows == 0) break; /* no row's output is read */
+        } else {
+            for (int64_t c = 0; c < num_chunks && status == 0; c++)
+                status = attend_chunk(model, layer, chunks + c, chunks[c].row_start,
+                                      chunks[c].rows, qkv, qkv_width, q_width, q, attn_out,
+                                      chunks[c].row_start);
+            if (status != 0) break;
+        }
         if (!KV_ELEMENT_IS_FLOAT)
-            for (int64_t k = 0; k < rows * q_width; k++) attn[k] = kv_rounded(attn_out[k]);
-        status = project(model, attn, rows, q_width, NULL, 0, &layer->o, q_width, model->hidden,
-                         hidden, 1, scratch);
+            for (int64_t k = 0; k < out_rows * q_width; k++) attn[k] = kv_rounded(attn_out[k]);
+        status = project(model, attn, out_rows, q_width, NULL, 0, &layer->o, q_width,
+                         model->hidden, hidden, 1, scratch);
         if (status != 0) break;
-        status = project(model, hidden, rows, model->hidden, layer->post_attention_norm, 0,
+        status = project(model, hidden, out_rows, model->hidden, layer->post_attention_norm, 0,
                          &layer->gate_up, model->hidden, gate_up_width, gate_up, 0, scratch);
         if (status != 0) break;
-        status = project(model, gate_up, rows, gate_up_width, NULL, 1, &layer->down,
+        status = project(model, gate_up, out_rows, gate_up_width, NULL, 1, &layer->down,
                          model->intermediate, model->hidden, hidden, 1, scratch);
     }
     free(qkv);

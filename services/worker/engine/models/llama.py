@@ -22,6 +22,7 @@ from torch import nn
 
 from services.worker.engine.attention import (
     AttentionBatch,
+    LastLayerRows,
     LayerKvCache,
     paged_attention,
     store_kv,
@@ -325,8 +326,10 @@ class LlamaLayer(nn.Module):
         kv_cache: LayerKvCache,
         batch: AttentionBatch,
         project: Project,
+        kept: LastLayerRows | None = None,
     ) -> torch.Tensor:
-        """hidden [T, hidden_size] -> the layer's output (computed in place into `hidden`)."""
+        """hidden [T, hidden_size] -> the layer's output (computed in place into `hidden`);
+        with `kept` (the last layer), only its rows' output, once every row's K/V is stored."""
         tokens = hidden.shape[0]
         # Contiguous: a Project may return the rows as a strided view, and RoPE pairs up
         # adjacent head dims.
@@ -340,6 +343,12 @@ class LlamaLayer(nn.Module):
             heads = slice(self.num_heads, self.num_heads + self.num_kv_heads)
             qkv[:, heads] = self.k_norm(qkv[:, heads])
         q, k, v = rotate_and_store(qkv, self.num_heads, rotations, kv_cache, batch)
+        if kept is not None:
+            rows, batch = kept.rows, kept.attention
+            q, k, v, hidden = q[rows], k[rows], v[rows], hidden[rows]
+            tokens = hidden.shape[0]
+            if tokens == 0:  # no row's logits wanted (a chunk short of its prompt's end)
+                return hidden
         attn = paged_attention(q, k, v, kv_cache, batch)
         project(self.o_proj, attn.reshape(tokens, -1), residual=hidden)
         gate_up = project(self.gate_up_proj, hidden, norm=self.post_attention_norm)
@@ -371,18 +380,22 @@ class LlamaModel(nn.Module):
         batch: AttentionBatch,
         interrupt: Callable[[], bool] | None = None,
         project: Project = project_with_torch,
+        last_layer_rows: LastLayerRows | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden_size] after the last layer (before the final norm).
+        """Hidden states [T, hidden_size] after the last layer (before the final norm); with
+        last_layer_rows, only those rows' [kept, hidden_size].
 
         interrupt is asked before every layer; when it says True the pass stops with
         StepInterrupted (the KV it wrote so far belongs to tokens not yet computed).
         project runs the layers' projections."""
         hidden = self.embed_tokens(token_ids)
         rotations = self.rotary.lookup(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        last = len(self.layers) - 1
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             if interrupt is not None and interrupt():
                 raise StepInterrupted
-            hidden = layer(hidden, rotations, kv_cache, batch, project)
+            kept = last_layer_rows if index == last else None
+            hidden = layer(hidden, rotations, kv_cache, batch, project, kept)
         return hidden
 
     def decoder_layers(self) -> list[LlamaLayer]:
