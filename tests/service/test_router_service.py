@@ -168,8 +168,9 @@ async def test_prefill_goes_where_the_prefix_is_cached(mesh: Mesh) -> None:
 
 async def test_requests_that_arrive_together_are_spread_over_the_tier(mesh: Mesh) -> None:
     # Placed before any of them starts on a worker: each must see the ones placed before it.
+    # Long answers keep all four in flight until the last is placed, on a slow machine too.
     prompts = [[30 + i, *range(60, 100)] for i in range(4)]
-    sampling = common_pb2.SamplingParams(max_tokens=64, ignore_eos=True)
+    sampling = common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
     results = await asyncio.gather(
         *(
             route(mesh.stub, request(f"burst{i}", prompt, sampling, model="tiny"))
