@@ -116,25 +116,25 @@ class LastLayerRows:
 
 def last_layer_rows(batch: AttentionBatch, logit_rows: list[int]) -> LastLayerRows | None:
     """The last layer's rows for `batch`; logit_rows: rows of the step whose logits are
-    returned. None when it would keep every row."""
-    total = batch.slots.shape[0]
-    num_decode = batch.prefills[0].row_start if batch.prefills else total
+    returned. None for a step without prefill chunks (it keeps every row; a chunk has two rows
+    or more, so a step with one always keeps fewer: decode_layers.c keys on the same)."""
+    if not batch.prefills:
+        return None
+    num_decode = batch.prefills[0].row_start
     wanted = [span for span in batch.prefills if span.want_logits]
     rows = [*range(num_decode), *(span.row_end - 1 for span in wanted)]
-    if len(rows) == total:
-        return None
     device = batch.slots.device
-    kept = torch.tensor(rows, dtype=torch.long)
+    kept = torch.tensor(rows, dtype=torch.long).to(device)
     index_of_row = {row: i for i, row in enumerate(rows)}
     attention = AttentionBatch(
-        slots=batch.slots[kept.to(device)],
+        slots=batch.slots[kept],
         rope_store=batch.rope_store,
         decode_groups=batch.decode_groups,
         kernel_decode=batch.kernel_decode,
         prefills=[_last_query(span, num_decode + i) for i, span in enumerate(wanted)],
     )
     return LastLayerRows(
-        rows=kept.to(device),
+        rows=kept,
         attention=attention,
         logit_rows=torch.tensor([index_of_row[r] for r in logit_rows], dtype=torch.long).to(device),
     )
