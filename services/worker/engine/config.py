@@ -110,7 +110,9 @@ class EngineConfig:
     on oneDNN with "onednn", and with "auto" on the panel kernel's bfloat16 build where the
     kernels are built for AVX-512 BF16 (oneDNN from the rows it measures faster at start-up),
     else oneDNN (linear_kernel.PackedProject; its steps of few rows on the small-batch kernel
-    unless small_batch_linear is "torch"), on torch's matmul with the others."""
+    unless small_batch_linear is "torch"), on torch's matmul with the others; where oneDNN
+    has no bfloat16 products (AVX2 alone), "auto" runs it on torch's matmul and "onednn" is
+    refused."""
 
     keep_freed_memory: bool = True
     """On the CPU, have the C allocator keep the memory a step frees for the next step instead

@@ -568,12 +568,20 @@ class PackedProject:
 def choose_bfloat16_project(
     large_mode: str, small_mode: str, device: torch.device, dtype: torch.dtype, num_threads: int
 ) -> PackedProject | None:
-    """PackedProject for a bfloat16 model on the CPU where torch has oneDNN and
+    """PackedProject for a bfloat16 model on the CPU where oneDNN runs bfloat16 products and
     EngineConfig.large_batch_linear leaves the choice to oneDNN ("auto" or "onednn"), its norm
     and SwiGLU in the small-batch kernel's library unless EngineConfig.small_batch_linear is
-    "torch" or the library cannot be built; None (torch's ops) otherwise."""
-    applies = device.type == "cpu" and dtype == torch.bfloat16 and onednn_available()
+    "torch" or the library cannot be built; None (torch's ops) otherwise. ValueError where
+    "onednn" is asked for and oneDNN has no bfloat16 products here."""
+    applies = device.type == "cpu" and dtype == torch.bfloat16
     if not applies or large_mode not in ("auto", "onednn"):
+        return None
+    if not onednn_bfloat16_available():
+        if large_mode == "onednn":
+            raise ValueError(
+                "large_batch_linear='onednn' for a bfloat16 model needs oneDNN's bfloat16 "
+                "products, which this CPU lacks (AVX-512 or AVX-NE-CONVERT)"
+            )
         return None
     library = choose_kernel(
         small_mode,
@@ -706,6 +714,12 @@ def place_weights(model: nn.Module) -> None:
 
 def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available())
+
+
+def onednn_bfloat16_available() -> bool:
+    """Whether oneDNN runs bfloat16 products on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and refuses to lay out a bfloat16 weight on AVX2 alone."""
+    return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def kernel_weights(
