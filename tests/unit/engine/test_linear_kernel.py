@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -303,6 +304,43 @@ def test_prefetching_its_next_panel_changes_no_bit_of_the_panel_kernels_product(
         with torch.inference_mode():
             expected = plain(module.weight, x, None, module.bias)
             assert torch.equal(prefetching(module.weight, x, None, module.bias), expected)
+
+
+def panel_row_tiles(rows: int) -> list[int]:
+    """The row tiles the panel kernel runs `rows` rows of a panel in."""
+    library = load_library("panel_linear")
+    library.panel_linear_tile_rows.restype = ctypes.c_int64
+    library.panel_linear_tile_rows.argtypes = [ctypes.c_int64]
+    tiles: list[int] = []
+    while sum(tiles) < rows:
+        tiles.append(library.panel_linear_tile_rows(rows - sum(tiles)))
+    return tiles
+
+
+def test_row_tiles_are_even_on_avx2_where_every_tile_keeps_5_rows_or_more() -> None:
+    """On AVX2 (6-row tiles) 32 rows run as 6+6+5+5+5+5, not 6+6+6+6+6+2, but 13 rows as
+    6+6+1, since 5+4+4 was slower; AVX-512's 8-row tiles stay whole, a remainder last."""
+    library = load_library("panel_linear")
+    library.panel_linear_width.restype = ctypes.c_int
+    if library.panel_linear_width() == 16:  # AVX2: 6-row tiles
+        expected = {1: [1], 6: [6], 7: [6, 1], 10: [5, 5], 13: [6, 6, 1], 20: [5, 5, 5, 5]}
+        expected[32] = [6, 6, 5, 5, 5, 5]
+    else:  # AVX-512: 8-row tiles
+        expected = {1: [1], 8: [8], 9: [8, 1], 20: [8, 8, 4], 32: [8, 8, 8, 8]}
+        expected[33] = [8, 8, 8, 8, 1]
+    assert {rows: panel_row_tiles(rows) for rows in expected} == expected
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_rows_product_is_the_same_bit_for_bit_whatever_tile_it_falls_in(prefetch: bool) -> None:
+    panels = PanelLinear(load_library("panel_linear"), 2, prefetch)
+    generator = torch.Generator().manual_seed(5)
+    module = linear(96, 100, generator, bias=True)
+    x = torch.randn(41, 96, generator=generator)
+    with torch.inference_mode():
+        alone = torch.cat([panels(module.weight, row[None], None, module.bias) for row in x])
+        for rows in range(2, 42):
+            assert torch.equal(panels(module.weight, x[:rows], None, module.bias), alone[:rows])
 
 
 def counted_panels(rows: list[int]) -> PanelLinear:
