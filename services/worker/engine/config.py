@@ -103,9 +103,10 @@ class EngineConfig:
     "onednn" (oneDNN's matmul on weights reordered once into its layout; any of these keeps
     a second copy of the weights in memory), "torch" (torch's transposed product up to 128
     rows, its plain product beyond), or "auto" (the panel kernel where the kernels are built
-    for AVX-512 or AVX2, prefetching on Intel CPUs and AMD ones with AVX-512, where it was
-    measured faster, and oneDNN from the rows at which the engine measures it faster when it
-    is built (that many and more: layer by layer, linear_crossover.py); else oneDNN where
+    for AVX-512 or AVX2, prefetching where it was measured faster, on Intel and AMD CPUs
+    (with AVX2 in steps of up to 128 rows), and oneDNN from the rows at which the engine
+    measures it faster when it is built (that many and more: layer by layer,
+    linear_crossover.py); else oneDNN where
     torch has it). A bfloat16 model on the CPU runs the projections of its steps of more rows
     on oneDNN with "onednn", and with "auto" on the panel kernel's bfloat16 build where the
     kernels are built for AVX-512 BF16 (oneDNN from the rows it measures faster at start-up),

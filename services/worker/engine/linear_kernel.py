@@ -72,9 +72,14 @@ PANELS_BY_DEFAULT_LANES = frozenset({8, 16})
 # AMD with AVX-512: whole steps on a Zen 4 (2 cores), alternated in one process, min of 9, three
 # runs: 32-row decode 0.94-0.95x the time, 64 rows 0.95-1.00x, a 128-token prefill 0.95-0.96x,
 # 200 tokens 0.97-0.98x, 8 rows a tie, 2 rows 1.04-1.06x (a lone request's 1-row steps stay on
-# the small-batch kernel). AMD with AVX2 keeps the plain kernel until measured there (asking
-# for a whole panel at once, an earlier scheme, had been slower on a Zen 5).
-PREFETCH_BY_DEFAULT = frozenset({("GenuineIntel", 8), ("GenuineIntel", 16), ("AuthenticAMD", 16)})
+# the small-batch kernel). AMD with AVX2: whole steps on a Zen 3 (2 cores), alternated in one
+# process, min of 9, two runs: decode steps of 8 rows 0.73-0.76x the time, 16 rows 0.78x, 32
+# rows 0.86-0.88x, 64 rows 0.95-0.96x, 2 rows and prefill steps of 128-200 tokens a tie; the
+# AVX2 build streams steps of up to 128 rows only, since larger ones took 1.02-1.04x the time
+# streamed (panel_linear.c).
+PREFETCH_BY_DEFAULT = frozenset(
+    {("GenuineIntel", 8), ("GenuineIntel", 16), ("AuthenticAMD", 8), ("AuthenticAMD", 16)}
+)
 # From there up to this many rows, torch's matmul (MKL) is faster asked for the transposed
 # product W x^T than for x W^T (measured on the target CPU, side by side: decode steps of 32
 # rows 16% shorter, of 64 rows 10%; at 512 rows the plain product is faster again).

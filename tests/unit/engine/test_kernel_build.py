@@ -182,7 +182,7 @@ def test_large_steps_take_the_product_they_are_told(large: str) -> None:
         ("GenuineIntel", 16, "panel_linear_prefetching"),
         ("GenuineIntel", 8, "panel_linear_prefetching"),
         ("AuthenticAMD", 16, "panel_linear_prefetching"),
-        ("AuthenticAMD", 8, "panel_linear"),
+        ("AuthenticAMD", 8, "panel_linear_prefetching"),
         ("", 16, "panel_linear"),
     ],
 )
