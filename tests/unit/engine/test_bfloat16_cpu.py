@@ -8,6 +8,7 @@ kernel's bfloat16 build: test_decode_kernel.py.)"""
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.engine import linear_kernel
 from services.worker.engine.api import FinishReason, SamplingParams
 from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import (
@@ -108,6 +110,18 @@ def test_only_a_bfloat16_model_left_to_onednn_projects_on_it(
         assert project.input_function is not None  # the small-batch kernel's library
         # "auto" measures the panel kernel against oneDNN where it has a bfloat16 build.
         assert (project.crossover is not None) == (mode == "auto" and PANELS_BUILT)
+
+
+def test_without_onednns_bfloat16_auto_stays_on_torch_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A CPU whose oneDNN has no bfloat16 products (AVX2 alone), on any CPU."""
+    monkeypatch.setattr(linear_kernel, "onednn_bfloat16_available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger=linear_kernel.__name__):
+        assert choose_bfloat16_project("auto", "auto", CPU, torch.bfloat16, 1) is None
+    assert "bfloat16 runs on torch's matmul here" in caplog.text
+    with pytest.raises(ValueError, match="needs oneDNN's bfloat16 products"):
+        choose_bfloat16_project("onednn", "auto", CPU, torch.bfloat16, 1)
 
 
 @needs_onednn_bfloat16
