@@ -7,6 +7,8 @@ the client SDK turns a received `grpc.aio.AioRpcError` back into a typed excepti
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
@@ -57,11 +59,22 @@ def error_from_rpc(error: grpc.aio.AioRpcError | grpc.RpcError) -> KvmeshError:
     """The typed kvmesh exception for a failed call, with retry-after and field restored."""
     code: grpc.StatusCode = error.code()  # type: ignore[attr-defined]
     message: str = error.details() or code.name  # type: ignore[attr-defined]
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    return _typed(code.name, message, status.details if status is not None else ())
+
+
+def error_from_status(status: status_pb2.Status) -> KvmeshError:
+    """The typed kvmesh exception a google.rpc.Status stands for (to_status_proto's inverse):
+    an error carried inside a message rather than as a call's status."""
+    name = code_pb2.Code.Name(status.code)
+    return _typed(name, status.message or name, status.details)
+
+
+def _typed(code: str, message: str, details: Iterable[any_pb2.Any]) -> KvmeshError:
     retry_after_s: float | None = None
     field: str | None = None
     quotas: list[QuotaViolation] = []
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    for detail in status.details if status is not None else ():
+    for detail in details:
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
@@ -74,10 +87,10 @@ def error_from_rpc(error: grpc.aio.AioRpcError | grpc.RpcError) -> KvmeshError:
             failure = error_details_pb2.QuotaFailure()
             detail.Unpack(failure)
             quotas.extend(QuotaViolation(v.subject, v.description) for v in failure.violations)
-    if code.name == "INVALID_ARGUMENT":
+    if code == "INVALID_ARGUMENT":
         prefix = f"{field}: " if field else ""
         return InvalidArgument(field or "request", message.removeprefix(prefix))
-    cls = ERRORS_BY_STATUS.get(code.name, KvmeshError)
+    cls = ERRORS_BY_STATUS.get(code, KvmeshError)
     result = cls(message, retry_after_s=retry_after_s, quota_violations=tuple(quotas))
-    result.status = code.name  # type: ignore[misc]
+    result.status = code  # type: ignore[misc]
     return result

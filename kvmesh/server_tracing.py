@@ -9,13 +9,17 @@ is attached once, at the start of the RPC, and dies with the task: nothing to de
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from kvmesh.errors import KvmeshError
 
 UNTRACED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")
 """Health probes and reflection belong to no request: no spans for them."""
@@ -27,6 +31,12 @@ def _start_span(method: str, context: grpc.aio.ServicerContext) -> Span:
     carrier = {
         key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)
     }
+    return _start_span_under(method, carrier)
+
+
+def _start_span_under(method: str, carrier: dict[str, str]) -> Span:
+    """A SERVER span for `method` whose parent is the trace context in `carrier` (W3C headers),
+    attached to the current context (the task's: it dies with it, nothing to detach)."""
     parent = propagate.extract(carrier)
     service, _, name = method.lstrip("/").partition("/")
     span = _tracer.start_span(
@@ -64,6 +74,27 @@ def _traced_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Calla
             _end_span(span, context, error)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def server_span(method: str, carrier: dict[str, str]) -> Iterator[Span]:
+    """The span of one request that shares a call with others (Worker.GenerateMany: one
+    generation of its stream), named as its own call would be; run it in a task of its own.
+    A KvmeshError that ends it sets the status its own call would have ended with."""
+    span = _start_span_under(method, carrier)
+    try:
+        yield span
+    except KvmeshError as error:
+        span.set_attribute("rpc.grpc.status_code", grpc.StatusCode[error.status].value[0])
+        span.set_status(Status(StatusCode.ERROR, error.message))
+        raise
+    except BaseException as error:
+        if not isinstance(error, (GeneratorExit, asyncio.CancelledError)):
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, type(error).__name__))
+        raise
+    finally:
+        span.end()
 
 
 class TracingInterceptor(grpc.aio.ServerInterceptor):

@@ -41,6 +41,11 @@ class WorkerStub:
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateMessage.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvmesh.v1.Worker/GenerateMany',
+                request_serializer=kvmesh_dot_v1_dot_worker__pb2.GenerateManyMessage.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.GenerateManyEvents.FromString,
+                _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/kvmesh.v1.Worker/Prefill',
                 request_serializer=kvmesh_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
@@ -74,6 +79,14 @@ class WorkerServicer:
 
     def Generate(self, request_iterator, context):
         """Colocated generation: first message the request, an optional later Cancel.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many colocated generations on one stream (the router keeps one per worker): each opened
+        and cancelled by its stream_id, their events batched into one message per send.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,6 +134,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateMessage.FromString,
                     response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateEvent.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.GenerateManyMessage.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.GenerateManyEvents.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
@@ -176,6 +194,33 @@ class Worker:
             '/kvmesh.v1.Worker/Generate',
             kvmesh_dot_v1_dot_worker__pb2.WorkerGenerateMessage.SerializeToString,
             kvmesh_dot_v1_dot_common__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Worker/GenerateMany',
+            kvmesh_dot_v1_dot_worker__pb2.GenerateManyMessage.SerializeToString,
+            kvmesh_dot_v1_dot_worker__pb2.GenerateManyEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,10 @@ class WorkerStub:
     def __new__(cls, channel: _aio.Channel) -> WorkerAsyncStub: ...
     Generate: _grpc.StreamStreamMultiCallable[_worker_pb2.WorkerGenerateMessage, _common_pb2.GenerateEvent]
     """Colocated generation: first message the request, an optional later Cancel."""
+    GenerateMany: _grpc.StreamStreamMultiCallable[_worker_pb2.GenerateManyMessage, _worker_pb2.GenerateManyEvents]
+    """Many colocated generations on one stream (the router keeps one per worker): each opened
+    and cancelled by its stream_id, their events batched into one message per send.
+    """
     Prefill: _grpc.UnaryUnaryMultiCallable[_worker_pb2.PrefillRequest, _worker_pb2.PrefillResponse]
     """Run the prompt, sample the first token, lease the KV blocks."""
     PullKv: _grpc.UnaryStreamMultiCallable[_worker_pb2.PullKvRequest, _common_pb2.KvChunk]
@@ -56,6 +60,10 @@ class WorkerAsyncStub(WorkerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.StreamStreamMultiCallable[_worker_pb2.WorkerGenerateMessage, _common_pb2.GenerateEvent]  # type: ignore[assignment]
     """Colocated generation: first message the request, an optional later Cancel."""
+    GenerateMany: _aio.StreamStreamMultiCallable[_worker_pb2.GenerateManyMessage, _worker_pb2.GenerateManyEvents]  # type: ignore[assignment]
+    """Many colocated generations on one stream (the router keeps one per worker): each opened
+    and cancelled by its stream_id, their events batched into one message per send.
+    """
     Prefill: _aio.UnaryUnaryMultiCallable[_worker_pb2.PrefillRequest, _worker_pb2.PrefillResponse]  # type: ignore[assignment]
     """Run the prompt, sample the first token, lease the KV blocks."""
     PullKv: _aio.UnaryStreamMultiCallable[_worker_pb2.PullKvRequest, _common_pb2.KvChunk]  # type: ignore[assignment]
@@ -77,6 +85,16 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_common_pb2.GenerateEvent], _abc.AsyncIterator[_common_pb2.GenerateEvent]]:
         """Colocated generation: first message the request, an optional later Cancel."""
+
+    @_abc_1.abstractmethod
+    def GenerateMany(
+        self,
+        request_iterator: _MaybeAsyncIterator[_worker_pb2.GenerateManyMessage],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_worker_pb2.GenerateManyEvents], _abc.AsyncIterator[_worker_pb2.GenerateManyEvents]]:
+        """Many colocated generations on one stream (the router keeps one per worker): each opened
+        and cancelled by its stream_id, their events batched into one message per send.
+        """
 
     @_abc_1.abstractmethod
     def Prefill(

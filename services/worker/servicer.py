@@ -1,4 +1,5 @@
-"""gRPC face of a worker: Generate (colocated), Prefill / PullKv / ReleaseKv, Decode, Stats.
+"""gRPC face of a worker: Generate and GenerateMany (colocated), Prefill / PullKv / ReleaseKv,
+Decode, Stats.
 
 Protobuf in, a call into the engine, the KV exporter (prefill side: leases and their blocks) or
 the KV importer (decode side: pulling a lease's blocks), protobuf out.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -35,10 +37,13 @@ from kvmesh.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
+    KvmeshError,
     ResourceExhausted,
 )
 from kvmesh.mesh_auth import caller_of
 from kvmesh.mesh_keys import MeshKeys
+from kvmesh.rpc_status import to_status_proto
+from kvmesh.server_tracing import server_span
 from kvmesh.streams import CancelWatch, Coalescer, first_message
 from kvmesh.telemetry import tracer
 from kvmesh.timings import request_timings
@@ -62,6 +67,7 @@ from services.worker.engine.api import (
     KvCapacityError,
     RequestOutput,
 )
+from services.worker.generation_mux import GenerationMux
 from services.worker.kv_exporter import KvExporter
 from services.worker.kv_importer import KvImporter
 from services.worker.kv_transfer import check_compatible
@@ -178,6 +184,67 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield event
         finally:
             await watch.close()
+
+    async def GenerateMany(
+        self,
+        request_iterator: AsyncIterator[worker_pb2.GenerateManyMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[worker_pb2.GenerateManyEvents]:
+        first = await first_message(request_iterator, "request")  # before a refusal: see Generate
+        self._require(self.config.role == "colocated", "GenerateMany", "colocated")
+        mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
+        context.add_done_callback(lambda _: self._spawn(mux.close()))  # see _track
+        reader = asyncio.create_task(self._read_many(first, request_iterator, mux))
+        try:
+            async for batch in mux.batches():
+                yield worker_pb2.GenerateManyEvents(
+                    events=[_generation_event(stream_id, item) for stream_id, item in batch]
+                )
+            await reader  # its failure (a message that could not be decoded) ends the call
+        finally:
+            reader.cancel()
+            await mux.close()
+
+    async def _read_many(
+        self,
+        first: worker_pb2.GenerateManyMessage,
+        messages: AsyncIterator[worker_pb2.GenerateManyMessage],
+        mux: GenerationMux[common_pb2.GenerateEvent],
+    ) -> None:
+        """Opens and cancels the stream's generations as their messages arrive."""
+        try:
+            self._dispatch_many(first, mux)
+            async for message in messages:
+                self._dispatch_many(message, mux)
+        finally:
+            mux.no_more()
+
+    def _dispatch_many(
+        self, message: worker_pb2.GenerateManyMessage, mux: GenerationMux[common_pb2.GenerateEvent]
+    ) -> None:
+        kind = message.WhichOneof("message")
+        if kind == "request":
+            mux.open(message.stream_id, functools.partial(self._many_generation, message))
+        elif kind == "cancel":
+            reason = message.cancel.reason or "no reason given"
+            log.info("generation %d cancelled by the caller: %s", message.stream_id, reason)
+            mux.cancel(message.stream_id)
+        else:
+            mux.fail(message.stream_id, InvalidArgument("message", "needs a request or a cancel"))
+
+    async def _many_generation(
+        self, message: worker_pb2.GenerateManyMessage, cancelled: asyncio.Event
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        """One generation of a GenerateMany stream: Generate's, under a span of its own whose
+        parent is the caller's (the message's trace context)."""
+        timeout_s = message.timeout_ms / 1000 if message.timeout_ms else None
+        with server_span("/kvmesh.v1.Worker/Generate", dict(message.trace_context)):
+            request = engine_request(message.request, timeout_s)
+            state = self._track(request)
+            async for event in self._stream(
+                "Generate", self.engine.generate(request), cancelled, state
+            ):
+                yield event
 
     # ---- prefill side ---------------------------------------------------------------------
 
@@ -337,16 +404,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await batches.aclose()
             await self._stop(state)
 
-    def _track(self, request: EngineRequest, context: grpc.aio.ServicerContext) -> _StreamState:
+    def _track(
+        self, request: EngineRequest, context: grpc.aio.ServicerContext | None = None
+    ) -> _StreamState:
         """State of a new stream; when the RPC ends unfinished, its request is stopped.
 
         gRPC may drop a handler whose client went away without resuming it, so the cleanup is
-        tied to the end of the RPC as well as to the handler's own exit.
+        tied to the end of the RPC (`context`) as well as to the handler's own exit. A
+        GenerateMany generation has no RPC of its own: its task's exit stops it, and the
+        stream's end cancels every such task.
         """
         state = self._claim_id(
             request.request_id, _StreamState(request.request_id, len(request.prompt_token_ids))
         )
-        context.add_done_callback(lambda _: self._spawn(self._stop(state)))
+        if context is not None:
+            context.add_done_callback(lambda _: self._spawn(self._stop(state)))
         return state
 
     def _claim_id(self, request_id: str, holder: Holder) -> Holder:
@@ -453,6 +525,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise FailedPrecondition(
                 f"{rpc} needs a worker of role {roles}; this one is {self.config.role!r}"
             )
+
+
+def _generation_event(
+    stream_id: int, item: common_pb2.GenerateEvent | KvmeshError
+) -> worker_pb2.GenerationEvent:
+    if isinstance(item, KvmeshError):
+        error = to_status_proto(item).SerializeToString()
+        return worker_pb2.GenerationEvent(stream_id=stream_id, error=error)
+    return worker_pb2.GenerationEvent(stream_id=stream_id, event=item)
 
 
 @contextlib.contextmanager

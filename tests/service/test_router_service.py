@@ -286,20 +286,44 @@ async def test_200_cancelled_requests_leave_every_worker_idle(mesh: Mesh) -> Non
     assert all(w.inflight == 0 for w in mesh.router.registry.workers())
 
 
-async def test_deadline_ends_the_stream_with_partial_output(mesh: Mesh) -> None:
+async def test_colocated_requests_share_one_stream_to_their_worker_while_any_runs(
+    mesh: Mesh, tiny_llama_dir: Path
+) -> None:
+    prompts = [list(range(start, start + 24)) for start in range(40, 340, 50)]
+    expected = offline(tiny_llama_dir, prompts, GREEDY)
+    results = await asyncio.gather(
+        *(
+            route(mesh.stub, request(f"together-{i}", prompt, model="tiny-co"))
+            for i, prompt in enumerate(prompts)
+        )
+    )
+    assert [result.token_ids for result in results] == expected
+    assert all(r.started.placement.prefill_worker == mesh.address("c0") for r in results)
+    # The stream ended with its last generation: the worker's channel, once retired, has
+    # no call left to wait for.
+    mesh.router.peers.retire(mesh.address("c0"))
+
+    async def closed() -> bool:
+        return mesh.router.peers.closing == 0
+
+    assert await wait_until(closed, 2.0)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-co"], ids=["split", "colocated"])
+async def test_deadline_ends_the_stream_with_partial_output(mesh: Mesh, model: str) -> None:
     long_output = common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
     # Half the time the router takes for the whole answer here and now (the faster of two,
     # the second warm and its prompt cached like the one cut): a fast machine finishes 400
     # tokens of the tiny model inside any fixed deadline short enough for a slow one.
     wholes = []
     for name in ("whole", "whole-again"):
-        whole = await route(mesh.stub, request(name, LONG, long_output, model="tiny"))
+        whole = await route(mesh.stub, request(name, LONG, long_output, model=model))
         assert whole.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
         wholes.append(whole.finished.timings.e2e_ms / 1000)
     deadline_s = min(wholes) / 2
     started = time.monotonic()
     try:
-        late = request("late", LONG, long_output, model="tiny")
+        late = request("late", LONG, long_output, model=model)
         result = await route(mesh.stub, late, deadline_s)
     except grpc.aio.AioRpcError as error:
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
