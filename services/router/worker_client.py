@@ -160,8 +160,7 @@ class GenerationStream:
                 item = await self._next(inbox, deadline)
                 if isinstance(item, KvmeshError):
                     ended = True
-                    item.message = f"Generate on {self.address}: {item.message}"
-                    raise item
+                    raise _named(item, "Generate", self.address)
                 ended = item.WhichOneof("event") == "finished"
                 yield item
                 if ended:
@@ -245,6 +244,10 @@ async def _events(
 
 
 def _worker_error(error: grpc.aio.AioRpcError, rpc: str, address: str) -> KvmeshError:
-    typed = error_from_rpc(error)
-    typed.message = f"{rpc} on {address}: {typed.message}"
-    return typed
+    return _named(error_from_rpc(error), rpc, address)
+
+
+def _named(error: KvmeshError, rpc: str, address: str) -> KvmeshError:
+    """The error with the call and the worker it came from in front of its message."""
+    error.message = f"{rpc} on {address}: {error.message}"
+    return error
