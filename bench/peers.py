@@ -108,6 +108,7 @@ LARGE_PRODUCTS = {
     "NoneType": "torch's matmul",
 }
 STEP_REPEATS = 7
+P99_TTFT_GOAL = 0.8  # issue 12: the serving row's TTFT p99 at most this share of vLLM's
 KV_CACHE_GIB = 3  # 64 x 640 tokens of fp32 KV is ~1.9 GB
 # --device -> the weights' dtype every system runs in by default (the usual one there).
 DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
@@ -459,6 +460,7 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         # it faster there when the engine was built: linear_crossover.py); None: none.
         "onednn_from_rows": runners[LARGE_BATCH_MODES[0]].onednn_from_rows,
         "step_flops": flops,
+        "shapes": asdict(shapes),
         "weight_bytes": weight_bytes(loaded),
         "copy_bytes_per_s": copy_bandwidth(),
         "threads": torch.get_num_threads(),
@@ -1191,6 +1193,7 @@ def step_lines(report: Report) -> list[str]:
         )
         + "."
     )
+    lines += serving_prefill_floor_lines(report)
     for system, runs in report.offline.items():
         rate = max(r["model_flops_per_s"] for r in runs)
         lines.append(
@@ -1198,6 +1201,32 @@ def step_lines(report: Report) -> list[str]:
             f"{rate / peak:.0%} of the peak."
         )
     return lines
+
+
+def serving_prefill_floor_lines(report: Report) -> list[str]:
+    """The serving row's last first token against the work that must come before it: every
+    prompt of the burst prefilled, at the measured peak and at the 512-token step's rate."""
+    steps, work = report.steps, report.workload
+    if "shapes" not in steps or "serving" not in report.servers.get("vllm", {}):
+        return []
+    requests, prompt = work["serving_requests"], work["serving_prompt"]
+    flops = step_flops(Shapes(**steps["shapes"]), [(0, prompt)] * requests, logit_rows=requests)
+    step_rate = steps["step_flops"]["prefill_512"] / steps["step_s"]["prefill_512"]
+    at_peak, at_step = flops / steps["matmul_peak_flops"] * 1000, flops / step_rate * 1000
+    p99 = {
+        system: best(rows["serving"], "ttft_p99_ms", higher=False)
+        for system, rows in report.servers.items()
+        if "serving" in rows
+    }
+    goal = P99_TTFT_GOAL * p99["vllm"]
+    return [
+        f"- serving row, the last first token: before it, all {requests} prompts "
+        f"({requests} x {prompt} tokens, {flops / 1e9:.0f} GFLOP) are prefilled, {at_peak:.0f} "
+        f"ms at the peak and {at_step:.0f} ms at the 512-token step's rate; TTFT p99 "
+        + ", ".join(f"{system} {ms:.0f} ms" for system, ms in p99.items())
+        + f"; the goal's {P99_TTFT_GOAL}x of vLLM's is {goal:.0f} ms = "
+        f"{goal / at_peak:.2f}x the time at the peak."
+    ]
 
 
 def serving_cpu_lines(report: Report) -> list[str]:

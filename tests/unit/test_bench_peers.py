@@ -1,0 +1,53 @@
+"""bench.peers' arithmetic against the machine: the work of a step and the serving row's floor."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from bench.peers import Report, Shapes, serving_prefill_floor_lines, step_flops
+
+SHAPES = Shapes(layer_params=10, num_layers=2, heads_dim=4, lm_head=100)
+QUIET = {"other_cores": 0.0}
+
+
+def test_a_step_counts_projections_causal_attention_and_the_logits_read() -> None:
+    # Two 3-token prompts: 6 rows through 10 weights, each query scoring (and summing)
+    # its own and the earlier positions, 1 + 2 + 3 per prompt; two logits rows.
+    per_layer = 2 * 10 * 6 + 4 * 4 * (6 + 6)
+    assert step_flops(SHAPES, [(0, 3), (0, 3)], logit_rows=2) == 2 * per_layer + 2 * 100 * 2
+    # A chunk after 5 cached positions attends to them too.
+    assert step_flops(SHAPES, [(5, 2)], logit_rows=1) == 2 * (40 + 16 * (10 + 3)) + 200
+
+
+def _serving(p99_ms: float) -> dict[str, Any]:
+    return {"serving": [{"ttft_p99_ms": p99_ms, "region": QUIET}]}
+
+
+def test_the_serving_floor_sets_the_p99_goal_against_the_burst_prefill_at_the_peak() -> None:
+    work = step_flops(SHAPES, [(0, 3), (0, 3)], logit_rows=2)  # 1,024 FLOP
+    report = Report(
+        workload={"serving_requests": 2, "serving_prompt": 3},
+        steps={
+            "shapes": asdict(SHAPES),
+            "matmul_peak_flops": work / 0.002,  # the burst's prefill: 2 ms at the peak
+            "step_flops": {"prefill_512": 1000.0},
+            "step_s": {"prefill_512": 0.001 * 1000 / work * 4},  # 4 ms at the step's rate
+        },
+        servers={"kvmesh colocated": _serving(5.0), "vllm": _serving(3.0)},
+    )
+    (line,) = serving_prefill_floor_lines(report)
+    assert "all 2 prompts (2 x 3 tokens, 0 GFLOP)" in line
+    assert "2 ms at the peak and 4 ms at the 512-token step's rate" in line
+    assert "TTFT p99 kvmesh colocated 5 ms, vllm 3 ms" in line
+    assert line.endswith("the goal's 0.8x of vLLM's is 2 ms = 1.20x the time at the peak.")
+
+
+def test_no_floor_without_vllm_serving_or_the_model_shapes() -> None:
+    steps = {"shapes": asdict(SHAPES)}
+    workload = {"serving_requests": 2, "serving_prompt": 3}
+    alone = Report(workload=workload, steps=steps, servers={"kvmesh colocated": _serving(5.0)})
+    assert serving_prefill_floor_lines(alone) == []
+    assert (
+        serving_prefill_floor_lines(Report(workload=workload, servers={"vllm": _serving(3)})) == []
+    )
