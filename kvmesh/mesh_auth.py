@@ -102,7 +102,7 @@ ALL_METHODS = frozenset({"*"})
 
 MESH_POLICY: dict[str, dict[str, frozenset[str]]] = {
     "kvmesh.v1.Router": {
-        MeshRole.GATEWAY: frozenset({"Generate", "ListModels", "Status"}),
+        MeshRole.GATEWAY: frozenset({"Generate", "GenerateMany", "ListModels", "Status"}),
         MeshRole.OPERATOR: frozenset({"Status", "ListModels", "AddWorker", "RemoveWorker"}),
     },
     "kvmesh.v1.Cache": {MeshRole.GATEWAY: ALL_METHODS},

@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -101,7 +101,7 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-async def in_span(span: trace.Span, events: AsyncIterator[T]) -> AsyncIterator[T]:
+async def in_span(span: trace.Span, events: AsyncIterator[T]) -> AsyncGenerator[T]:
     """`events`, each step advanced with `span` current (spans started meanwhile are its
     children); ends the span with the stream.
 

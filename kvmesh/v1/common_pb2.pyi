@@ -1012,6 +1012,142 @@ class GenerateEvent(_message.Message):
 Global___GenerateEvent: _TypeAlias = GenerateEvent  # noqa: Y015
 
 @_typing.final
+class GenerateManyMessage(_message.Message):
+    """A message on a GenerateMany stream (Router's from the gateway, Worker's from the router):
+    opens, or cancels, one of the generations the stream carries.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    """The generation it is about: the caller's number, unique among the stream's open ones."""
+    timeout_ms: _builtins.int
+    """With the request: milliseconds the generation may take, counted from when the service
+    reads it (as its Generate's deadline); 0: no deadline.
+    """
+    @_builtins.property
+    def request(self) -> Global___InferenceRequest:
+        """Opens the generation, as the service's Generate request does."""
+
+    @_builtins.property
+    def cancel(self) -> Global___Cancel:
+        """Aborts the generation (at every hop below, and frees its blocks on a worker)."""
+
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """With the request: the caller's W3C trace context (traceparent, tracestate headers), the
+        parent of the generation's span on the service.
+        """
+
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        request: Global___InferenceRequest | None = ...,
+        cancel: Global___Cancel | None = ...,
+        timeout_ms: _builtins.int = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "request", b"request", "stream_id", b"stream_id", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["request", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
+
+Global___GenerateManyMessage: _TypeAlias = GenerateManyMessage  # noqa: Y015
+
+@_typing.final
+class GenerateManyEvents(_message.Message):
+    """What a service sends on GenerateMany: every event its generations had ready, in order per
+    generation (one message per send rather than one per token of each).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerationEvent]:
+        """The events."""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___GenerationEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateManyEvents: _TypeAlias = GenerateManyEvents  # noqa: Y015
+
+@_typing.final
+class GenerationEvent(_message.Message):
+    """One generation's next event, or the error that ended it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    """The generation (GenerateManyMessage.stream_id)."""
+    error: _builtins.bytes
+    """The generation ended with this error: a serialized google.rpc.Status (code, message,
+    details), the status the service's Generate would have ended with.
+    """
+    @_builtins.property
+    def event(self) -> Global___GenerateEvent:
+        """As on the service's Generate: Started (the router's), TokenChunk*, then Finished, which
+        ends the generation.
+        """
+
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        event: Global___GenerateEvent | None = ...,
+        error: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "outcome", b"outcome"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "event", b"event", "outcome", b"outcome", "stream_id", b"stream_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["event", "error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___GenerationEvent: _TypeAlias = GenerationEvent  # noqa: Y015
+
+@_typing.final
 class KvLayout(_message.Message):
     """The shape of KV-cache blocks; two engines can exchange blocks only when theirs agree."""
 

@@ -42,6 +42,11 @@ class RouterStub:
                 request_serializer=kvmesh_dot_v1_dot_router__pb2.RouteMessage.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvmesh.v1.Router/GenerateMany',
+                request_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateManyMessage.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateManyEvents.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/kvmesh.v1.Router/ListModels',
                 request_serializer=kvmesh_dot_v1_dot_gateway__pb2.ListModelsRequest.SerializeToString,
@@ -70,6 +75,14 @@ class RouterServicer:
 
     def Generate(self, request_iterator, context):
         """Place and run a request: events Started (with placement), TokenChunk*, Finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests on one stream (the gateway's), each opened or cancelled by its number, their
+        events batched: each generation as Generate's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +123,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_router__pb2.RouteMessage.FromString,
                     response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateEvent.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateManyMessage.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateManyEvents.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -160,6 +178,33 @@ class Router:
             '/kvmesh.v1.Router/Generate',
             kvmesh_dot_v1_dot_router__pb2.RouteMessage.SerializeToString,
             kvmesh_dot_v1_dot_common__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Router/GenerateMany',
+            kvmesh_dot_v1_dot_common__pb2.GenerateManyMessage.SerializeToString,
+            kvmesh_dot_v1_dot_common__pb2.GenerateManyEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,10 @@ class RouterStub:
     def __new__(cls, channel: _aio.Channel) -> RouterAsyncStub: ...
     Generate: _grpc.StreamStreamMultiCallable[_router_pb2.RouteMessage, _common_pb2.GenerateEvent]
     """Place and run a request: events Started (with placement), TokenChunk*, Finished."""
+    GenerateMany: _grpc.StreamStreamMultiCallable[_common_pb2.GenerateManyMessage, _common_pb2.GenerateManyEvents]
+    """Many requests on one stream (the gateway's), each opened or cancelled by its number, their
+    events batched: each generation as Generate's.
+    """
     ListModels: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListModelsRequest, _gateway_pb2.ListModelsResponse]
     """The model tiers and their prices."""
     Status: _grpc.UnaryUnaryMultiCallable[_router_pb2.RouterStatusRequest, _router_pb2.RouterStatusResponse]
@@ -56,6 +60,10 @@ class RouterAsyncStub(RouterStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.StreamStreamMultiCallable[_router_pb2.RouteMessage, _common_pb2.GenerateEvent]  # type: ignore[assignment]
     """Place and run a request: events Started (with placement), TokenChunk*, Finished."""
+    GenerateMany: _aio.StreamStreamMultiCallable[_common_pb2.GenerateManyMessage, _common_pb2.GenerateManyEvents]  # type: ignore[assignment]
+    """Many requests on one stream (the gateway's), each opened or cancelled by its number, their
+    events batched: each generation as Generate's.
+    """
     ListModels: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListModelsRequest, _gateway_pb2.ListModelsResponse]  # type: ignore[assignment]
     """The model tiers and their prices."""
     Status: _aio.UnaryUnaryMultiCallable[_router_pb2.RouterStatusRequest, _router_pb2.RouterStatusResponse]  # type: ignore[assignment]
@@ -75,6 +83,16 @@ class RouterServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_common_pb2.GenerateEvent], _abc.AsyncIterator[_common_pb2.GenerateEvent]]:
         """Place and run a request: events Started (with placement), TokenChunk*, Finished."""
+
+    @_abc_1.abstractmethod
+    def GenerateMany(
+        self,
+        request_iterator: _MaybeAsyncIterator[_common_pb2.GenerateManyMessage],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_common_pb2.GenerateManyEvents], _abc.AsyncIterator[_common_pb2.GenerateManyEvents]]:
+        """Many requests on one stream (the gateway's), each opened or cancelled by its number, their
+        events batched: each generation as Generate's.
+        """
 
     @_abc_1.abstractmethod
     def ListModels(

@@ -25,45 +25,35 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"w\n\x15WorkerGenerateMessage\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvmesh.v1.InferenceRequestH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.kvmesh.v1.CancelH\x00\x42\t\n\x07message\"\x9a\x02\n\x13GenerateManyMessage\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12.\n\x07request\x18\x02 \x01(\x0b\x32\x1b.kvmesh.v1.InferenceRequestH\x00\x12#\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x11.kvmesh.v1.CancelH\x00\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\x12G\n\rtrace_context\x18\x05 \x03(\x0b\x32\x30.kvmesh.v1.GenerateManyMessage.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07message\"@\n\x12GenerateManyEvents\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.kvmesh.v1.GenerationEvent\"k\n\x0fGenerationEvent\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12)\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x18.kvmesh.v1.GenerateEventH\x00\x12\x0f\n\x05\x65rror\x18\x03 \x01(\x0cH\x00\x42\t\n\x07outcome\"d\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvmesh.v1.InferenceRequest\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x0e\n\x06puller\x18\x03 \x01(\t\"\xcd\x01\n\x0fPrefillResponse\x12*\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.TokenChunk\x12!\n\x05lease\x18\x02 \x01(\x0b\x32\x12.kvmesh.v1.KvLease\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12%\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.Finished\x12&\n\x07sampled\x18\x05 \x01(\x0b\x32\x15.kvmesh.v1.TokenChunk\"x\n\rPullKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rblock_indices\x18\x02 \x03(\r\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\"$\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\",\n\x11ReleaseKvResponse\x12\x17\n\x0f\x62locks_released\x18\x01 \x01(\r\"\xb4\x01\n\rDecodeRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvmesh.v1.InferenceRequest\x12!\n\x05lease\x18\x02 \x01(\x0b\x32\x12.kvmesh.v1.KvLease\x12*\n\x0b\x66irst_token\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.TokenChunk\x12&\n\x07sampled\x18\x04 \x01(\x0b\x32\x15.kvmesh.v1.TokenChunk\"j\n\rDecodeMessage\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.DecodeRequestH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.kvmesh.v1.CancelH\x00\x42\t\n\x07message\",\n\x0cStatsRequest\x12\x1c\n\x14include_block_hashes\x18\x01 \x01(\x08\"\xd3\x03\n\x0bWorkerStats\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRole\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\t \x01(\x01\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\n \x03(\x0c\x12\x19\n\x11num_cached_blocks\x18\x0b \x01(\r\x12\x15\n\ractive_leases\x18\x0c \x01(\r\x12\x19\n\x11tokens_per_second\x18\r \x01(\x01\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12#\n\x06layout\x18\x0f \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x16\n\x0e\x63ontext_length\x18\x10 \x01(\r\x12\x16\n\x0ekvmesh_version\x18\x11 \x01(\t\x12\x1e\n\x16peak_tokens_per_second\x18\x12 \x01(\x01*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x32\xe7\x03\n\x06Worker\x12J\n\x08Generate\x12 .kvmesh.v1.WorkerGenerateMessage\x1a\x18.kvmesh.v1.GenerateEvent(\x01\x30\x01\x12Q\n\x0cGenerateMany\x12\x1e.kvmesh.v1.GenerateManyMessage\x1a\x1d.kvmesh.v1.GenerateManyEvents(\x01\x30\x01\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12\x38\n\x06PullKv\x12\x18.kvmesh.v1.PullKvRequest\x1a\x12.kvmesh.v1.KvChunk0\x01\x12\x46\n\tReleaseKv\x12\x1b.kvmesh.v1.ReleaseKvRequest\x1a\x1c.kvmesh.v1.ReleaseKvResponse\x12@\n\x06\x44\x65\x63ode\x12\x18.kvmesh.v1.DecodeMessage\x1a\x18.kvmesh.v1.GenerateEvent(\x01\x30\x01\x12\x38\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x16.kvmesh.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvmesh/v1/worker.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"w\n\x15WorkerGenerateMessage\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvmesh.v1.InferenceRequestH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.kvmesh.v1.CancelH\x00\x42\t\n\x07message\"d\n\x0ePrefillRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvmesh.v1.InferenceRequest\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x0e\n\x06puller\x18\x03 \x01(\t\"\xcd\x01\n\x0fPrefillResponse\x12*\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.kvmesh.v1.TokenChunk\x12!\n\x05lease\x18\x02 \x01(\x0b\x32\x12.kvmesh.v1.KvLease\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12%\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.Finished\x12&\n\x07sampled\x18\x05 \x01(\x0b\x32\x15.kvmesh.v1.TokenChunk\"x\n\rPullKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x15\n\rblock_indices\x18\x02 \x03(\r\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\"$\n\x10ReleaseKvRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\",\n\x11ReleaseKvResponse\x12\x17\n\x0f\x62locks_released\x18\x01 \x01(\r\"\xb4\x01\n\rDecodeRequest\x12,\n\x07request\x18\x01 \x01(\x0b\x32\x1b.kvmesh.v1.InferenceRequest\x12!\n\x05lease\x18\x02 \x01(\x0b\x32\x12.kvmesh.v1.KvLease\x12*\n\x0b\x66irst_token\x18\x03 \x01(\x0b\x32\x15.kvmesh.v1.TokenChunk\x12&\n\x07sampled\x18\x04 \x01(\x0b\x32\x15.kvmesh.v1.TokenChunk\"j\n\rDecodeMessage\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.kvmesh.v1.DecodeRequestH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.kvmesh.v1.CancelH\x00\x42\t\n\x07message\",\n\x0cStatsRequest\x12\x1c\n\x14include_block_hashes\x18\x01 \x01(\x08\"\xd3\x03\n\x0bWorkerStats\x12#\n\x04role\x18\x01 \x01(\x0e\x32\x15.kvmesh.v1.WorkerRole\x12\r\n\x05model\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x1d\n\x15prefix_cache_hit_rate\x18\t \x01(\x01\x12\x1b\n\x13\x63\x61\x63hed_block_hashes\x18\n \x03(\x0c\x12\x19\n\x11num_cached_blocks\x18\x0b \x01(\r\x12\x15\n\ractive_leases\x18\x0c \x01(\r\x12\x19\n\x11tokens_per_second\x18\r \x01(\x01\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12#\n\x06layout\x18\x0f \x01(\x0b\x32\x13.kvmesh.v1.KvLayout\x12\x16\n\x0e\x63ontext_length\x18\x10 \x01(\r\x12\x16\n\x0ekvmesh_version\x18\x11 \x01(\t\x12\x1e\n\x16peak_tokens_per_second\x18\x12 \x01(\x01*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03\x32\xe7\x03\n\x06Worker\x12J\n\x08Generate\x12 .kvmesh.v1.WorkerGenerateMessage\x1a\x18.kvmesh.v1.GenerateEvent(\x01\x30\x01\x12Q\n\x0cGenerateMany\x12\x1e.kvmesh.v1.GenerateManyMessage\x1a\x1d.kvmesh.v1.GenerateManyEvents(\x01\x30\x01\x12@\n\x07Prefill\x12\x19.kvmesh.v1.PrefillRequest\x1a\x1a.kvmesh.v1.PrefillResponse\x12\x38\n\x06PullKv\x12\x18.kvmesh.v1.PullKvRequest\x1a\x12.kvmesh.v1.KvChunk0\x01\x12\x46\n\tReleaseKv\x12\x1b.kvmesh.v1.ReleaseKvRequest\x1a\x1c.kvmesh.v1.ReleaseKvResponse\x12@\n\x06\x44\x65\x63ode\x12\x18.kvmesh.v1.DecodeMessage\x1a\x18.kvmesh.v1.GenerateEvent(\x01\x30\x01\x12\x38\n\x05Stats\x12\x17.kvmesh.v1.StatsRequest\x1a\x16.kvmesh.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEMANYMESSAGE_TRACECONTEXTENTRY']._loaded_options = None
-  _globals['_GENERATEMANYMESSAGE_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERROLE']._serialized_start=1965
-  _globals['_WORKERROLE']._serialized_end=2082
+  _globals['_WORKERROLE']._serialized_start=1505
+  _globals['_WORKERROLE']._serialized_end=1622
   _globals['_WORKERGENERATEMESSAGE']._serialized_start=61
   _globals['_WORKERGENERATEMESSAGE']._serialized_end=180
-  _globals['_GENERATEMANYMESSAGE']._serialized_start=183
-  _globals['_GENERATEMANYMESSAGE']._serialized_end=465
-  _globals['_GENERATEMANYMESSAGE_TRACECONTEXTENTRY']._serialized_start=403
-  _globals['_GENERATEMANYMESSAGE_TRACECONTEXTENTRY']._serialized_end=454
-  _globals['_GENERATEMANYEVENTS']._serialized_start=467
-  _globals['_GENERATEMANYEVENTS']._serialized_end=531
-  _globals['_GENERATIONEVENT']._serialized_start=533
-  _globals['_GENERATIONEVENT']._serialized_end=640
-  _globals['_PREFILLREQUEST']._serialized_start=642
-  _globals['_PREFILLREQUEST']._serialized_end=742
-  _globals['_PREFILLRESPONSE']._serialized_start=745
-  _globals['_PREFILLRESPONSE']._serialized_end=950
-  _globals['_PULLKVREQUEST']._serialized_start=952
-  _globals['_PULLKVREQUEST']._serialized_end=1072
-  _globals['_RELEASEKVREQUEST']._serialized_start=1074
-  _globals['_RELEASEKVREQUEST']._serialized_end=1110
-  _globals['_RELEASEKVRESPONSE']._serialized_start=1112
-  _globals['_RELEASEKVRESPONSE']._serialized_end=1156
-  _globals['_DECODEREQUEST']._serialized_start=1159
-  _globals['_DECODEREQUEST']._serialized_end=1339
-  _globals['_DECODEMESSAGE']._serialized_start=1341
-  _globals['_DECODEMESSAGE']._serialized_end=1447
-  _globals['_STATSREQUEST']._serialized_start=1449
-  _globals['_STATSREQUEST']._serialized_end=1493
-  _globals['_WORKERSTATS']._serialized_start=1496
-  _globals['_WORKERSTATS']._serialized_end=1963
-  _globals['_WORKER']._serialized_start=2085
-  _globals['_WORKER']._serialized_end=2572
+  _globals['_PREFILLREQUEST']._serialized_start=182
+  _globals['_PREFILLREQUEST']._serialized_end=282
+  _globals['_PREFILLRESPONSE']._serialized_start=285
+  _globals['_PREFILLRESPONSE']._serialized_end=490
+  _globals['_PULLKVREQUEST']._serialized_start=492
+  _globals['_PULLKVREQUEST']._serialized_end=612
+  _globals['_RELEASEKVREQUEST']._serialized_start=614
+  _globals['_RELEASEKVREQUEST']._serialized_end=650
+  _globals['_RELEASEKVRESPONSE']._serialized_start=652
+  _globals['_RELEASEKVRESPONSE']._serialized_end=696
+  _globals['_DECODEREQUEST']._serialized_start=699
+  _globals['_DECODEREQUEST']._serialized_end=879
+  _globals['_DECODEMESSAGE']._serialized_start=881
+  _globals['_DECODEMESSAGE']._serialized_end=987
+  _globals['_STATSREQUEST']._serialized_start=989
+  _globals['_STATSREQUEST']._serialized_end=1033
+  _globals['_WORKERSTATS']._serialized_start=1036
+  _globals['_WORKERSTATS']._serialized_end=1503
+  _globals['_WORKER']._serialized_start=1625
+  _globals['_WORKER']._serialized_end=2112
 # @@protoc_insertion_point(module_scope)

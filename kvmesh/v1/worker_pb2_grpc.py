@@ -43,8 +43,8 @@ class WorkerStub:
                 _registered_method=True)
         self.GenerateMany = channel.stream_stream(
                 '/kvmesh.v1.Worker/GenerateMany',
-                request_serializer=kvmesh_dot_v1_dot_worker__pb2.GenerateManyMessage.SerializeToString,
-                response_deserializer=kvmesh_dot_v1_dot_worker__pb2.GenerateManyEvents.FromString,
+                request_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateManyMessage.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateManyEvents.FromString,
                 _registered_method=True)
         self.Prefill = channel.unary_unary(
                 '/kvmesh.v1.Worker/Prefill',
@@ -137,8 +137,8 @@ def add_WorkerServicer_to_server(servicer, server):
             ),
             'GenerateMany': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateMany,
-                    request_deserializer=kvmesh_dot_v1_dot_worker__pb2.GenerateManyMessage.FromString,
-                    response_serializer=kvmesh_dot_v1_dot_worker__pb2.GenerateManyEvents.SerializeToString,
+                    request_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateManyMessage.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateManyEvents.SerializeToString,
             ),
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
@@ -219,8 +219,8 @@ class Worker:
             request_iterator,
             target,
             '/kvmesh.v1.Worker/GenerateMany',
-            kvmesh_dot_v1_dot_worker__pb2.GenerateManyMessage.SerializeToString,
-            kvmesh_dot_v1_dot_worker__pb2.GenerateManyEvents.FromString,
+            kvmesh_dot_v1_dot_common__pb2.GenerateManyMessage.SerializeToString,
+            kvmesh_dot_v1_dot_common__pb2.GenerateManyEvents.FromString,
             options,
             channel_credentials,
             insecure,

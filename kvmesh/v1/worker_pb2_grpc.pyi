@@ -38,7 +38,7 @@ class WorkerStub:
     def __new__(cls, channel: _aio.Channel) -> WorkerAsyncStub: ...
     Generate: _grpc.StreamStreamMultiCallable[_worker_pb2.WorkerGenerateMessage, _common_pb2.GenerateEvent]
     """Colocated generation: first message the request, an optional later Cancel."""
-    GenerateMany: _grpc.StreamStreamMultiCallable[_worker_pb2.GenerateManyMessage, _worker_pb2.GenerateManyEvents]
+    GenerateMany: _grpc.StreamStreamMultiCallable[_common_pb2.GenerateManyMessage, _common_pb2.GenerateManyEvents]
     """Many colocated generations on one stream (the router keeps one per worker): each opened
     and cancelled by its stream_id, their events batched into one message per send.
     """
@@ -60,7 +60,7 @@ class WorkerAsyncStub(WorkerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.StreamStreamMultiCallable[_worker_pb2.WorkerGenerateMessage, _common_pb2.GenerateEvent]  # type: ignore[assignment]
     """Colocated generation: first message the request, an optional later Cancel."""
-    GenerateMany: _aio.StreamStreamMultiCallable[_worker_pb2.GenerateManyMessage, _worker_pb2.GenerateManyEvents]  # type: ignore[assignment]
+    GenerateMany: _aio.StreamStreamMultiCallable[_common_pb2.GenerateManyMessage, _common_pb2.GenerateManyEvents]  # type: ignore[assignment]
     """Many colocated generations on one stream (the router keeps one per worker): each opened
     and cancelled by its stream_id, their events batched into one message per send.
     """
@@ -89,9 +89,9 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def GenerateMany(
         self,
-        request_iterator: _MaybeAsyncIterator[_worker_pb2.GenerateManyMessage],
+        request_iterator: _MaybeAsyncIterator[_common_pb2.GenerateManyMessage],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_worker_pb2.GenerateManyEvents], _abc.AsyncIterator[_worker_pb2.GenerateManyEvents]]:
+    ) -> _typing.Union[_abc.Iterator[_common_pb2.GenerateManyEvents], _abc.AsyncIterator[_common_pb2.GenerateManyEvents]]:
         """Many colocated generations on one stream (the router keeps one per worker): each opened
         and cancelled by its stream_id, their events batched into one message per send.
         """

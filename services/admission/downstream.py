@@ -1,6 +1,7 @@
 """The gateway's calls to the router and the response cache.
 
-Router errors come back as typed kvmesh errors. The response cache fails open: any error or
+Router errors come back as typed kvmesh errors; the gateway's requests share one
+Router.GenerateMany call (kvmesh/generate_many.py). The response cache fails open: any error or
 timeout is a miss (or a store that did not happen), logged and counted, never a failed request.
 """
 
@@ -8,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
-from kvmesh.client_streams import open_stream
+from kvmesh.generate_many import GenerateManyCall, Generation
 from kvmesh.rpc_status import error_from_rpc
 from kvmesh.service_rates import ServiceRates
 from kvmesh.v1 import (
@@ -20,7 +21,6 @@ from kvmesh.v1 import (
     cache_pb2_grpc,
     common_pb2,
     gateway_pb2,
-    router_pb2,
     router_pb2_grpc,
 )
 from services.admission import metrics
@@ -30,11 +30,13 @@ log = logging.getLogger(__name__)
 
 
 class RouterClient:
-    """Router.Generate and Router.ListModels over one channel."""
+    """Router.GenerateMany and Router.ListModels over one untraced channel: the gateway's
+    requests share one GenerateMany call, and each carries its own trace context."""
 
     def __init__(self, channel: grpc.aio.Channel, cancel_grace_s: float = 2.0) -> None:
         self._stub = router_pb2_grpc.RouterStub(channel)
         self._cancel_grace_s = cancel_grace_s
+        self._call: GenerateManyCall | None = None
 
     async def list_models(self, timeout_s: float = 5.0) -> list[ModelSpec]:
         try:
@@ -48,8 +50,12 @@ class RouterClient:
     def generate(
         self, request: common_pb2.InferenceRequest, timeout_s: float | None
     ) -> RouterStream:
-        """Starts Router.Generate; read its events with `events()`, close it with `close()`."""
-        return RouterStream(self._stub, request, timeout_s, self._cancel_grace_s)
+        """Starts the request on the router; read its events with `events()`, close it with
+        `close()`."""
+        if self._call is None or not self._call.takes_more:
+            self._call = GenerateManyCall(self._stub.GenerateMany, "the router")
+        generation = self._call.generate(request, timeout_s)
+        return RouterStream(generation, self._cancel_grace_s)
 
 
 def _model_spec(info: gateway_pb2.ModelInfo) -> ModelSpec:
@@ -70,73 +76,33 @@ def _model_spec(info: gateway_pb2.ModelInfo) -> ModelSpec:
 
 
 class RouterStream:
-    """One Router.Generate call: the request goes first, a Cancel may follow."""
+    """One request on the router: its events, a Cancel that may follow, and a cut when the
+    router has not ended it a grace time after the Cancel."""
 
-    def __init__(
-        self,
-        stub: router_pb2_grpc.RouterStub,
-        request: common_pb2.InferenceRequest,
-        timeout_s: float | None,
-        cancel_grace_s: float,
-    ) -> None:
-        self._outbox: asyncio.Queue[router_pb2.RouteMessage | None] = asyncio.Queue()
-        self._outbox.put_nowait(router_pb2.RouteMessage(request=request))
-        self._call = open_stream(
-            lambda requests: stub.Generate(requests, timeout=timeout_s), self._messages()
-        )
+    def __init__(self, generation: Generation, cancel_grace_s: float) -> None:
+        self._generation = generation
         self._cancel_grace_s = cancel_grace_s
         self._cut_timer: asyncio.TimerHandle | None = None
-        self._cut = False
-        self._finished = False
-        """The router's Finished arrived: the answer is whole, a cancel is too late."""
 
-    async def _messages(self) -> AsyncIterator[router_pb2.RouteMessage]:
-        # Stays open after the request (closing our side would not mean "cancel" to the
-        # router) until close() puts None: gRPC's task reading it must end with the call.
-        while (message := await self._outbox.get()) is not None:
-            yield message
-
-    async def events(self) -> AsyncIterator[common_pb2.GenerateEvent]:
-        """The router's events; ends early (without Finished) when the call was cut."""
-        try:
-            async for event in self._call:
-                if event.HasField("finished"):
-                    self._finished = True
-                    self._outbox.put_nowait(None)  # half-closes: the router ends the call now
-                yield event
-        except grpc.aio.AioRpcError as error:
-            if self._finished or (self._cut and error.code() == grpc.StatusCode.CANCELLED):
-                # After Finished nothing is missing (a Cancel written as the router ended the
-                # call can fail the call's last step with INTERNAL: it is already done).
-                return
-            raise error_from_rpc(error) from None
-        except asyncio.CancelledError:
-            # grpc.aio raises CancelledError on a read after a local cancel; only a cut we
-            # made ourselves ends the stream quietly, a cancel of our own task propagates.
-            task = asyncio.current_task()
-            if self._cut and task is not None and not task.cancelling():
-                return
-            raise
+    def events(self) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        """The router's events; ends early (without Finished) when the request was cut."""
+        return self._generation.events()
 
     def cancel(self, reason: str) -> None:
-        """Asks the router to abort; cuts the call if it has not ended after the grace time."""
-        if self._finished or self._cut_timer is not None or self._call.done():
+        """Asks the router to abort; cuts the request if it has not ended after the grace
+        time."""
+        if self._generation.ended or self._cut_timer is not None:
             return
-        self._outbox.put_nowait(router_pb2.RouteMessage(cancel=common_pb2.Cancel(reason=reason)))
-        self._cut_timer = asyncio.get_running_loop().call_later(self._cancel_grace_s, self.cut)
-
-    def cut(self) -> None:
-        """Cancels the call now (the router sees the cancellation and aborts downstream)."""
-        if not self._call.done():
-            self._cut = True
-            self._call.cancel()
+        self._generation.cancel(reason)
+        self._cut_timer = asyncio.get_running_loop().call_later(
+            self._cancel_grace_s, self._generation.cut
+        )
 
     def close(self) -> None:
-        """Releases the call; a call still running is cut."""
+        """Releases the request; one still running is cancelled."""
         if self._cut_timer is not None:
             self._cut_timer.cancel()
-        self.cut()
-        self._outbox.put_nowait(None)
+        self._generation.close("the gateway closed the request")
 
 
 class CacheClient:

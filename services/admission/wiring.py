@@ -99,12 +99,11 @@ def build_gateway(config: AdmissionConfig) -> Assembly:
         MeshKeys.from_file(config.mesh_secret_file),
         tls_of(config),
     )
-    router_channel = member_channel(config.router, member)
+    # Untraced: requests share one GenerateMany call, each carrying its own trace context, and
+    # the model list is polled in the background, with no trace per poll.
+    router_channel = member_channel(config.router, member, traced=False)
     router = RouterClient(router_channel, cancel_grace_s=config.cancel_grace_s)
-    # The model list is polled in the background: no trace per poll.
-    catalog_channel = member_channel(config.router, member, traced=False)
-    catalog_router = RouterClient(catalog_channel, cancel_grace_s=config.cancel_grace_s)
-    hooks: list[StopHook] = [lambda: catalog_channel.close()]
+    hooks: list[StopHook] = []
     cache = None
     if config.cache:
         cache_channel = member_channel(config.cache, member)
@@ -112,7 +111,7 @@ def build_gateway(config: AdmissionConfig) -> Assembly:
         hooks.append(lambda: cache_channel.close())
     books = tenant_books(config, hooks)
     catalog = ModelCatalog(
-        catalog_router.list_models,
+        router.list_models,
         tokenizer_specs=parse_tier_map(config.model_path, "model_path"),
         default_tokenizer=config.default_tokenizer,
         default_model=config.default_model,

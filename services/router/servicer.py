@@ -1,22 +1,28 @@
 """gRPC face of the router: Generate (bidi), ListModels, Status, AddWorker, RemoveWorker.
 
 Generate takes an InferenceRequest with the prompt already tokenized (the gateway tokenizes)
-and streams Started (with the placement and its reason), TokenChunk*, Finished. A failure
+and streams Started (with the placement and its reason), TokenChunk*, Finished. GenerateMany
+runs many such requests on one stream (the gateway's), each as Generate runs it. A failure
 after the first token ends the stream with UNAVAILABLE whose message closes with the usage so
 far (see orchestrator.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
 from kvmesh.background import Background
 from kvmesh.contracts.constraints import checked_constraint
 from kvmesh.errors import InvalidArgument
+from kvmesh.generate_many import serve_many
+from kvmesh.generation_mux import GenerationMux
 from kvmesh.request_limits import check_inference_request
+from kvmesh.server_tracing import server_span
 from kvmesh.streams import CancelWatch, Coalescer, first_message
 from kvmesh.telemetry import in_span, tracer
 from kvmesh.v1 import common_pb2, gateway_pb2, router_pb2, router_pb2_grpc, worker_pb2
@@ -28,6 +34,12 @@ from services.router.tiers import usd_per_1k_tokens
 _tracer = tracer(__name__)
 
 _ROLE_ORDER = (Role.PREFILL, Role.DECODE, Role.COLOCATED)
+
+
+def _check(request: common_pb2.InferenceRequest) -> None:
+    """A caller may have skipped the gateway's checks."""
+    check_inference_request(request)
+    checked_constraint(request.sampling)
 
 
 def _cancel_reason(message: router_pb2.RouteMessage) -> str | None:
@@ -57,9 +69,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if first.WhichOneof("message") != "request":
             raise InvalidArgument("request", "the first message must be the request")
         request = first.request
-        # A caller may have skipped the gateway's checks.
-        check_inference_request(request)
-        checked_constraint(request.sampling)
+        _check(request)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         watch = CancelWatch(request_iterator, _cancel_reason, request.request_id)
@@ -70,6 +80,52 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         context.add_done_callback(
             lambda _: self._background.spawn(_close_all(live), f"closing {request.request_id}")
         )
+        generation = self._generation(request, deadline, watch.cancelled, live)
+        try:
+            async with contextlib.aclosing(generation) as events:
+                async for event in events:
+                    yield event
+            await watch.caller_done()
+        finally:
+            await watch.close()
+
+    async def GenerateMany(
+        self,
+        request_iterator: AsyncIterator[common_pb2.GenerateManyMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
+        first = await first_message(request_iterator, "request")
+        mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
+        # As Generate's: the end of the RPC stops every generation (each closes its calls).
+        context.add_done_callback(
+            lambda _: self._background.spawn(mux.close(), "closing a GenerateMany stream")
+        )
+        async for events in serve_many(first, request_iterator, mux, self._many_generation):
+            yield events
+
+    async def _many_generation(
+        self, message: common_pb2.GenerateManyMessage, cancelled: asyncio.Event
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        """One generation of a GenerateMany stream: Generate's, under a span of its own whose
+        parent is the caller's (the message's trace context)."""
+        with server_span("/kvmesh.v1.Router/Generate", dict(message.trace_context)):
+            _check(message.request)
+            timeout_s = message.timeout_ms / 1000 if message.timeout_ms else None
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            live: set[Coalescer[common_pb2.GenerateEvent]] = set()
+            generation = self._generation(message.request, deadline, cancelled, live)
+            async with contextlib.aclosing(generation) as events:
+                async for event in events:
+                    yield event
+
+    async def _generation(
+        self,
+        request: common_pb2.InferenceRequest,
+        deadline: float | None,
+        cancelled: asyncio.Event,
+        live: set[Coalescer[common_pb2.GenerateEvent]],
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        """A checked request placed and run; its attempts (in `live`) are closed when it ends."""
         span = _tracer.start_span(
             "router.generate",
             attributes={
@@ -78,13 +134,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 "kvmesh.tenant": request.tenant,
             },
         )
-        events = self.orchestrator.run(request, deadline, watch.cancelled, live)
+        run = self.orchestrator.run(request, deadline, cancelled, live)
         try:
-            async for event in in_span(span, events):
-                yield event
-            await watch.caller_done()
+            async with contextlib.aclosing(in_span(span, run)) as events:
+                async for event in events:
+                    yield event
         finally:
-            await watch.close()
             await _close_all(live)
 
     async def ListModels(

@@ -7,22 +7,17 @@ never see a gRPC object and their tests fake these four methods.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import itertools
 import logging
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
 import grpc
-from google.rpc import status_pb2
-from opentelemetry import propagate
 
 from kvmesh.client_streams import open_stream
-from kvmesh.errors import DeadlineExceeded, KvmeshError, Unavailable
-from kvmesh.rpc_status import error_from_rpc, error_from_status
-from kvmesh.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from kvmesh.errors import KvmeshError
+from kvmesh.generate_many import GenerateManyCall
+from kvmesh.rpc_status import error_from_rpc
+from kvmesh.v1 import common_pb2, worker_pb2
 from services.router.peers import Peers
 
 log = logging.getLogger(__name__)
@@ -59,29 +54,34 @@ class WorkerClient(Protocol):
 
 class GrpcWorkers:
     """WorkerClient over the router's traced channels; colocated generations share one
-    Worker.GenerateMany stream per worker (GenerationStream)."""
+    Worker.GenerateMany call per worker (kvmesh/generate_many.py)."""
 
     def __init__(self, peers: Peers) -> None:
         self._peers = peers
-        self._streams: dict[str, GenerationStream] = {}
+        self._calls: dict[str, GenerateManyCall] = {}
 
     async def colocated(
         self, address: str, request: common_pb2.InferenceRequest, time_left: float | None
     ) -> AsyncGenerator[common_pb2.GenerateEvent]:
-        stream = self._streams.get(address)
-        if stream is None or not stream.takes_more:
-            # Untraced: the stream outlives any one request; each generation carries its own.
+        call = self._calls.get(address)
+        if call is None or not call.takes_more:
+            # Untraced: the call outlives any one request; each generation carries its own.
             stub = self._peers.worker(address, traced=False)
-            stream = self._streams[address] = GenerationStream(stub, address)
-            stream.ended.add_done_callback(lambda _: self._forget(address, stream))
-        async with contextlib.aclosing(stream.generate(request, time_left)) as events:
-            async for event in events:
+            call = self._calls[address] = GenerateManyCall(stub.GenerateMany, "the worker")
+            call.ended.add_done_callback(lambda _: self._forget(address, call))
+        generation = call.generate(request, time_left)
+        try:
+            async for event in generation.events():
                 yield event
+        except KvmeshError as error:
+            raise _named(error, "Generate", address) from None
+        finally:
+            generation.close("the router closed the generation")
 
-    def _forget(self, address: str, stream: GenerationStream) -> None:
-        """Drops an ended stream (a departed worker's would stay otherwise)."""
-        if self._streams.get(address) is stream:
-            del self._streams[address]
+    def _forget(self, address: str, call: GenerateManyCall) -> None:
+        """Drops an ended call (a departed worker's would stay otherwise)."""
+        if self._calls.get(address) is call:
+            del self._calls[address]
 
     async def prefill(
         self, address: str, request: worker_pb2.PrefillRequest, time_left: float | None
@@ -116,112 +116,6 @@ class GrpcWorkers:
             log.info("ReleaseKv %s on %s: %s", lease_id, address, error.code().name)
 
 
-class GenerationStream:
-    """One Worker.GenerateMany call: the colocated generations the router runs on one worker,
-    each under a number of the stream's, their events coming back batched.
-
-    It lasts while generations are open: once its last one ends it half-closes and takes no
-    more, and the worker ends the call (so a retired worker's channel can close: peers.py);
-    the next generation opens a new stream. A generation past its deadline fails with
-    DeadlineExceeded, as its own call's would; one closed early is cancelled on the worker by
-    a Cancel message; a stream that breaks fails every generation on it with its status."""
-
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub, address: str) -> None:
-        self.address = address
-        self.takes_more = True
-        """False once it has half-closed, or broke: generations go to a new stream."""
-        self._outbox: asyncio.Queue[worker_pb2.GenerateManyMessage | None] = asyncio.Queue()
-        self._inboxes: dict[int, asyncio.Queue[common_pb2.GenerateEvent | KvmeshError]] = {}
-        self._numbers = itertools.count(1)
-        self._call = open_stream(stub.GenerateMany, self._messages())
-        self.ended = asyncio.create_task(self._read())
-        """Done when the call has ended."""
-
-    async def generate(
-        self, request: common_pb2.InferenceRequest, time_left: float | None
-    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
-        """One generation's events until Finished (closing it early cancels it)."""
-        stream_id = next(self._numbers)
-        inbox = self._inboxes[stream_id] = asyncio.Queue()
-        trace_context: dict[str, str] = {}
-        propagate.inject(trace_context)
-        self._outbox.put_nowait(
-            worker_pb2.GenerateManyMessage(
-                stream_id=stream_id,
-                request=request,
-                timeout_ms=0 if time_left is None else max(1, round(time_left * 1000)),
-                trace_context=trace_context,
-            )
-        )
-        deadline = None if time_left is None else time.monotonic() + time_left
-        ended = False
-        try:
-            while True:
-                item = await self._next(inbox, deadline)
-                if isinstance(item, KvmeshError):
-                    ended = True
-                    raise _named(item, "Generate", self.address)
-                ended = item.WhichOneof("event") == "finished"
-                yield item
-                if ended:
-                    return
-        finally:
-            self._close(stream_id, cancel=not ended)
-
-    async def _next(
-        self,
-        inbox: asyncio.Queue[common_pb2.GenerateEvent | KvmeshError],
-        deadline: float | None,
-    ) -> common_pb2.GenerateEvent | KvmeshError:
-        if deadline is None:
-            return await inbox.get()
-        try:
-            return await asyncio.wait_for(inbox.get(), max(deadline - time.monotonic(), 0.0))
-        except TimeoutError:
-            return DeadlineExceeded("Deadline Exceeded")
-
-    def _close(self, stream_id: int, cancel: bool) -> None:
-        del self._inboxes[stream_id]
-        if not self.takes_more:
-            return  # broke, or already half-closed: the worker has stopped it
-        if cancel:
-            reason = "the router closed the generation"
-            cancel_message = worker_pb2.GenerateManyMessage(
-                stream_id=stream_id, cancel=common_pb2.Cancel(reason=reason)
-            )
-            self._outbox.put_nowait(cancel_message)
-        if not self._inboxes:
-            self.takes_more = False
-            self._outbox.put_nowait(None)
-
-    async def _messages(self) -> AsyncIterator[worker_pb2.GenerateManyMessage]:
-        while (message := await self._outbox.get()) is not None:
-            yield message
-
-    async def _read(self) -> None:
-        """Hands each event to its generation; when the call ends, every generation still
-        open gets the call's error (UNAVAILABLE when the worker ended it without one)."""
-        failure: grpc.aio.AioRpcError | None = None
-        try:
-            async for message in self._call:
-                for item in message.events:
-                    if (inbox := self._inboxes.get(item.stream_id)) is not None:
-                        inbox.put_nowait(_event_or_error(item))
-        except grpc.aio.AioRpcError as error:
-            failure = error
-        finally:
-            self.takes_more = False
-            for inbox in self._inboxes.values():  # an error each: each gets its own prefix
-                ended = Unavailable("the worker ended its GenerateMany stream")
-                inbox.put_nowait(ended if failure is None else error_from_rpc(failure))
-
-
-def _event_or_error(item: worker_pb2.GenerationEvent) -> common_pb2.GenerateEvent | KvmeshError:
-    if item.WhichOneof("outcome") == "error":
-        return error_from_status(status_pb2.Status.FromString(item.error))
-    return item.event
-
-
 async def _events(
     open_call: Callable[[], Any], rpc: str, address: str
 ) -> AsyncGenerator[common_pb2.GenerateEvent]:
@@ -232,7 +126,7 @@ async def _events(
     call ends by itself, a deadline, between the write and done_writing: "Task was destroyed
     but it is pending!" in the router's log under deadline storms.) The call is cancelled when
     this closes (the router stops a Decode by cancelling its call, never by a Cancel message;
-    a colocated generation shares its call, and is stopped by a Cancel: GenerationStream)."""
+    a colocated generation shares its call, and is stopped by a Cancel: GrpcWorkers.colocated)."""
     call = open_call()
     try:
         async for event in call:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
@@ -37,12 +36,12 @@ from kvmesh.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
-    KvmeshError,
     ResourceExhausted,
 )
+from kvmesh.generate_many import serve_many
+from kvmesh.generation_mux import GenerationMux
 from kvmesh.mesh_auth import caller_of
 from kvmesh.mesh_keys import MeshKeys
-from kvmesh.rpc_status import to_status_proto
 from kvmesh.server_tracing import server_span
 from kvmesh.streams import CancelWatch, Coalescer, first_message
 from kvmesh.telemetry import tracer
@@ -67,7 +66,6 @@ from services.worker.engine.api import (
     KvCapacityError,
     RequestOutput,
 )
-from services.worker.generation_mux import GenerationMux
 from services.worker.kv_exporter import KvExporter
 from services.worker.kv_importer import KvImporter
 from services.worker.kv_transfer import check_compatible
@@ -187,53 +185,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def GenerateMany(
         self,
-        request_iterator: AsyncIterator[worker_pb2.GenerateManyMessage],
+        request_iterator: AsyncIterator[common_pb2.GenerateManyMessage],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[worker_pb2.GenerateManyEvents]:
+    ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
         first = await first_message(request_iterator, "request")  # before a refusal: see Generate
         self._require(self.config.role == "colocated", "GenerateMany", "colocated")
         mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
         context.add_done_callback(lambda _: self._spawn(mux.close()))  # see _track
-        reader = asyncio.create_task(self._read_many(first, request_iterator, mux))
-        try:
-            async for batch in mux.batches():
-                yield worker_pb2.GenerateManyEvents(
-                    events=[_generation_event(stream_id, item) for stream_id, item in batch]
-                )
-            await reader  # its failure (a message that could not be decoded) ends the call
-        finally:
-            reader.cancel()
-            await mux.close()
-
-    async def _read_many(
-        self,
-        first: worker_pb2.GenerateManyMessage,
-        messages: AsyncIterator[worker_pb2.GenerateManyMessage],
-        mux: GenerationMux[common_pb2.GenerateEvent],
-    ) -> None:
-        """Opens and cancels the stream's generations as their messages arrive."""
-        try:
-            self._dispatch_many(first, mux)
-            async for message in messages:
-                self._dispatch_many(message, mux)
-        finally:
-            mux.no_more()
-
-    def _dispatch_many(
-        self, message: worker_pb2.GenerateManyMessage, mux: GenerationMux[common_pb2.GenerateEvent]
-    ) -> None:
-        kind = message.WhichOneof("message")
-        if kind == "request":
-            mux.open(message.stream_id, functools.partial(self._many_generation, message))
-        elif kind == "cancel":
-            reason = message.cancel.reason or "no reason given"
-            log.info("generation %d cancelled by the caller: %s", message.stream_id, reason)
-            mux.cancel(message.stream_id)
-        else:
-            mux.fail(message.stream_id, InvalidArgument("message", "needs a request or a cancel"))
+        async for events in serve_many(first, request_iterator, mux, self._many_generation):
+            yield events
 
     async def _many_generation(
-        self, message: worker_pb2.GenerateManyMessage, cancelled: asyncio.Event
+        self, message: common_pb2.GenerateManyMessage, cancelled: asyncio.Event
     ) -> AsyncIterator[common_pb2.GenerateEvent]:
         """One generation of a GenerateMany stream: Generate's, under a span of its own whose
         parent is the caller's (the message's trace context)."""
@@ -525,15 +488,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise FailedPrecondition(
                 f"{rpc} needs a worker of role {roles}; this one is {self.config.role!r}"
             )
-
-
-def _generation_event(
-    stream_id: int, item: common_pb2.GenerateEvent | KvmeshError
-) -> worker_pb2.GenerationEvent:
-    if isinstance(item, KvmeshError):
-        error = to_status_proto(item).SerializeToString()
-        return worker_pb2.GenerationEvent(stream_id=stream_id, error=error)
-    return worker_pb2.GenerationEvent(stream_id=stream_id, event=item)
 
 
 @contextlib.contextmanager

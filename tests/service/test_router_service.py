@@ -17,6 +17,8 @@ import pytest
 import yaml
 
 from kvmesh.config import load_config
+from kvmesh.errors import DeadlineExceeded
+from kvmesh.rpc_status import error_from_status
 from kvmesh.v1 import common_pb2, gateway_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.router.__main__ import Router, build_router
 from services.router.config import RouterConfig
@@ -24,10 +26,12 @@ from tests.service.worker_mesh import (
     GREEDY,
     SEEDED,
     InProcessWorker,
+    ManyStream,
     all_idle,
     offline,
     request,
     route,
+    route_many,
     start_worker,
     wait_until,
 )
@@ -309,29 +313,105 @@ async def test_colocated_requests_share_one_stream_to_their_worker_while_any_run
     assert await wait_until(closed, 2.0)
 
 
+@pytest.mark.parametrize("via", ["Generate", "GenerateMany"])
 @pytest.mark.parametrize("model", ["tiny", "tiny-co"], ids=["split", "colocated"])
-async def test_deadline_ends_the_stream_with_partial_output(mesh: Mesh, model: str) -> None:
+async def test_deadline_ends_the_stream_with_partial_output(
+    mesh: Mesh, model: str, via: str
+) -> None:
+    send = route if via == "Generate" else route_many
     long_output = common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
     # Half the time the router takes for the whole answer here and now (the faster of two,
     # the second warm and its prompt cached like the one cut): a fast machine finishes 400
     # tokens of the tiny model inside any fixed deadline short enough for a slow one.
     wholes = []
     for name in ("whole", "whole-again"):
-        whole = await route(mesh.stub, request(name, LONG, long_output, model=model))
+        whole = await send(mesh.stub, request(name, LONG, long_output, model=model))
         assert whole.finished.finish_reason == common_pb2.FINISH_REASON_LENGTH
         wholes.append(whole.finished.timings.e2e_ms / 1000)
     deadline_s = min(wholes) / 2
     started = time.monotonic()
     try:
         late = request("late", LONG, long_output, model=model)
-        result = await route(mesh.stub, late, deadline_s)
+        result = await send(mesh.stub, late, deadline_s)
     except grpc.aio.AioRpcError as error:
         assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    except DeadlineExceeded:
+        assert via == "GenerateMany"  # its generation's error, the stream's status is OK
     else:
         assert result.finished.finish_reason == common_pb2.FINISH_REASON_DEADLINE
         assert 0 < result.finished.usage.completion_tokens < 400
     assert time.monotonic() - started < deadline_s + 1.2
     assert await all_idle([w.stub for w in mesh.workers.values()])
+
+
+async def test_generate_many_runs_split_and_colocated_requests_as_generate_does(
+    mesh: Mesh, tiny_llama_dir: Path
+) -> None:
+    prompts = [LONG, SHORT, list(range(200, 230))]
+    models = ["tiny", "tiny-co", "tiny-co"]
+    expected = offline(tiny_llama_dir, prompts, GREEDY)
+    stream = ManyStream(mesh.stub.GenerateMany)
+    for i, (prompt, model) in enumerate(zip(prompts, models, strict=True)):
+        stream.send(i + 1, request=request(f"many-{i}", prompt, model=model), timeout_ms=30_000)
+    await stream.read_until({1, 2, 3})
+    assert [stream.token_ids(i) for i in (1, 2, 3)] == expected
+    placements = [stream.events[i][0].started.placement for i in (1, 2, 3)]
+    assert placements[0].decode_worker == mesh.address("d0")
+    assert [p.prefill_worker for p in placements[1:]] == [mesh.address("c0")] * 2
+    assert all(stream.finish_reason(i) == common_pb2.FINISH_REASON_LENGTH for i in (1, 2, 3))
+    # Events that were ready together went out in one message.
+    assert stream.messages < sum(len(events) for events in stream.events.values())
+    stream.half_close()
+    assert await stream.call.read() is grpc.aio.EOF
+    assert await stream.call.code() == grpc.StatusCode.OK
+    assert await all_idle([w.stub for w in mesh.workers.values()])
+
+
+async def test_generate_many_cancels_one_request_and_runs_the_others_on(mesh: Mesh) -> None:
+    long_output = common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
+    stream = ManyStream(mesh.stub.GenerateMany)
+    stream.send(1, request=request("cancelled", LONG, long_output, model="tiny"))
+    stream.send(2, request=request("kept", SHORT, model="tiny-co"))
+    await stream.read_until({2})
+    assert 1 not in stream.ended
+    stream.send(1, cancel=common_pb2.Cancel(reason="the test is done with it"))
+    await stream.read_until({1})
+    assert stream.finish_reason(1) == common_pb2.FINISH_REASON_ABORT
+    assert len(stream.token_ids(1)) < long_output.max_tokens
+    assert stream.finish_reason(2) == common_pb2.FINISH_REASON_LENGTH
+    assert await all_idle([w.stub for w in mesh.workers.values()])
+    stream.half_close()
+    assert await stream.call.code() == grpc.StatusCode.OK
+
+
+async def test_generate_many_fails_a_bad_message_alone(mesh: Mesh) -> None:
+    many_stops = common_pb2.SamplingParams(max_tokens=4, stop=["x"] * 30_000)
+    stream = ManyStream(mesh.stub.GenerateMany)
+    stream.send(1)  # neither a request nor a cancel
+    stream.send(2, request=request("unknown", LONG, model="nope"))
+    stream.send(3, request=request("stops", LONG, many_stops, model="tiny"))
+    stream.send(4, request=request("good", SHORT, model="tiny-co"))
+    await stream.read_until({1, 2, 3, 4})
+    failures = {i: error_from_status(status) for i, status in stream.errors.items()}
+    assert {i: e.status for i, e in failures.items()} == dict.fromkeys(
+        (1, 2, 3), "INVALID_ARGUMENT"
+    )
+    assert "nope" in str(failures[2])
+    assert failures[3].message.startswith("sampling.stop")
+    assert stream.finish_reason(4) == common_pb2.FINISH_REASON_LENGTH
+    assert await all_idle([w.stub for w in mesh.workers.values()])
+    stream.half_close()
+
+
+async def test_a_broken_generate_many_stream_stops_its_requests_on_the_workers(mesh: Mesh) -> None:
+    long_output = common_pb2.SamplingParams(max_tokens=400, ignore_eos=True)
+    stream = ManyStream(mesh.stub.GenerateMany)
+    stream.send(1, request=request("cut-split", LONG, long_output, model="tiny"))
+    stream.send(2, request=request("cut-colocated", SHORT, long_output, model="tiny-co"))
+    await stream.call.read()  # the router has placed them
+    stream.call.cancel()
+    assert await all_idle([w.stub for w in mesh.workers.values()])
+    assert all(w.inflight == 0 for w in mesh.router.registry.workers())
 
 
 async def test_status_models_and_pool_changes(mesh: Mesh, tiny_llama_dir: Path) -> None:

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections import defaultdict
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-from google.rpc import status_pb2
 
 from kvmesh.rpc_status import error_from_status
-from kvmesh.v1 import common_pb2, worker_pb2
+from kvmesh.v1 import common_pb2
 from tests.service.worker_mesh import (
     GREEDY,
     InProcessWorker,
+    ManyStream,
     all_idle,
     colocated,
     request,
@@ -35,54 +33,6 @@ async def worker(tiny_llama_dir: Path) -> AsyncIterator[InProcessWorker]:
     await started.stop()
 
 
-class ManyStream:
-    """A GenerateMany call: messages go in by `send`, events come out by generation."""
-
-    def __init__(self, worker: InProcessWorker) -> None:
-        self._outbox: asyncio.Queue[worker_pb2.GenerateManyMessage | None] = asyncio.Queue()
-        self.call = worker.stub.GenerateMany(self._messages(), timeout=60)
-        self.events: dict[int, list[common_pb2.GenerateEvent]] = defaultdict(list)
-        self.errors: dict[int, status_pb2.Status] = {}
-        self.messages = 0
-
-    async def _messages(self) -> AsyncIterator[worker_pb2.GenerateManyMessage]:
-        while (message := await self._outbox.get()) is not None:
-            yield message
-
-    def send(self, stream_id: int, **fields: object) -> None:
-        message = worker_pb2.GenerateManyMessage(stream_id=stream_id, **fields)  # type: ignore[arg-type]
-        self._outbox.put_nowait(message)
-
-    def half_close(self) -> None:
-        self._outbox.put_nowait(None)
-
-    async def read_until(self, done: set[int]) -> None:
-        """Reads until every generation in `done` has ended (Finished or an error)."""
-        while not done <= self.ended:
-            message = await self.call.read()
-            assert message is not grpc.aio.EOF, "the stream ended with generations open"
-            self.messages += 1
-            for item in message.events:
-                if item.WhichOneof("outcome") == "error":
-                    self.errors[item.stream_id] = status_pb2.Status.FromString(item.error)
-                else:
-                    self.events[item.stream_id].append(item.event)
-
-    @property
-    def ended(self) -> set[int]:
-        finished = {
-            i for i, events in self.events.items() if events[-1].WhichOneof("event") == "finished"
-        }
-        return finished | set(self.errors)
-
-    def token_ids(self, stream_id: int) -> list[int]:
-        events = self.events[stream_id]
-        return [t for e in events if e.WhichOneof("event") == "chunk" for t in e.chunk.token_ids]
-
-    def finish_reason(self, stream_id: int) -> int:
-        return self.events[stream_id][-1].finished.finish_reason
-
-
 async def test_generations_on_one_stream_equal_each_alone_and_share_its_messages(
     worker: InProcessWorker,
 ) -> None:
@@ -90,7 +40,7 @@ async def test_generations_on_one_stream_equal_each_alone_and_share_its_messages
         (await colocated(worker.stub, request(f"alone-{i}", prompt))).token_ids
         for i, prompt in enumerate(PROMPTS)
     ]
-    stream = ManyStream(worker)
+    stream = ManyStream(worker.stub.GenerateMany)
     for i, prompt in enumerate(PROMPTS):
         stream.send(i + 1, request=request(f"many-{i}", prompt), timeout_ms=30_000)
     await stream.read_until({1, 2, 3})
@@ -108,7 +58,7 @@ async def test_generations_on_one_stream_equal_each_alone_and_share_its_messages
 async def test_a_cancel_ends_its_generation_alone_and_frees_its_blocks(
     worker: InProcessWorker,
 ) -> None:
-    stream = ManyStream(worker)
+    stream = ManyStream(worker.stub.GenerateMany)
     stream.send(1, request=request("cancelled", PROMPTS[0], LONG))
     stream.send(2, request=request("kept", PROMPTS[1], GREEDY))
     await stream.read_until({2})
@@ -126,7 +76,7 @@ async def test_a_cancel_ends_its_generation_alone_and_frees_its_blocks(
 async def test_bad_messages_fail_their_own_generation_and_no_other(
     worker: InProcessWorker,
 ) -> None:
-    stream = ManyStream(worker)
+    stream = ManyStream(worker.stub.GenerateMany)
     stream.send(1)  # neither a request nor a cancel
     stream.send(2, request=request("empty", []))
     stream.send(3, request=request("good", PROMPTS[2]))
@@ -151,7 +101,7 @@ async def test_bad_messages_fail_their_own_generation_and_no_other(
 async def test_a_generation_past_its_deadline_finishes_with_what_it_has(
     worker: InProcessWorker,
 ) -> None:
-    stream = ManyStream(worker)
+    stream = ManyStream(worker.stub.GenerateMany)
     # The tiny model takes about a millisecond a token: 400 take past the deadline.
     stream.send(1, request=request("late", PROMPTS[0], LONG), timeout_ms=150)
     await stream.read_until({1})
@@ -162,7 +112,7 @@ async def test_a_generation_past_its_deadline_finishes_with_what_it_has(
 
 
 async def test_a_broken_stream_stops_every_generation_on_it(worker: InProcessWorker) -> None:
-    stream = ManyStream(worker)
+    stream = ManyStream(worker.stub.GenerateMany)
     for i, prompt in enumerate(PROMPTS):
         stream.send(i + 1, request=request(f"cut-{i}", prompt, LONG))
     await stream.call.read()  # the first tokens are out: all three are running
@@ -178,7 +128,7 @@ async def test_a_broken_stream_stops_every_generation_on_it(worker: InProcessWor
 async def test_generate_many_needs_a_colocated_worker(tiny_llama_dir: Path) -> None:
     prefill = await start_worker(tiny_llama_dir, "prefill")
     try:
-        stream = ManyStream(prefill)
+        stream = ManyStream(prefill.stub.GenerateMany)
         stream.send(1, request=request("nowhere", PROMPTS[0]))
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stream.read_until({1})

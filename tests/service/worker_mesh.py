@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections import defaultdict
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.rpc import status_pb2
 
 from kvmesh.channels import member_channel
 from kvmesh.config import load_config
 from kvmesh.mesh_auth import MeshMember
+from kvmesh.rpc_status import error_from_status
 from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.worker.__main__ import Worker, build_worker
 from services.worker.config import WorkerConfig
@@ -181,6 +184,71 @@ async def route(
     call = stub.Generate(timeout=limit_s)
     await call.write(router_pb2.RouteMessage(request=req))
     return await collect(call)
+
+
+class ManyStream:
+    """A GenerateMany call (a worker's or the router's): messages go in by `send`, events come
+    out by generation."""
+
+    def __init__(self, start: Callable[..., grpc.aio.StreamStreamCall]) -> None:
+        self._outbox: asyncio.Queue[common_pb2.GenerateManyMessage | None] = asyncio.Queue()
+        self.call = start(self._messages(), timeout=60)
+        self.events: dict[int, list[common_pb2.GenerateEvent]] = defaultdict(list)
+        self.errors: dict[int, status_pb2.Status] = {}
+        self.messages = 0
+
+    async def _messages(self) -> AsyncIterator[common_pb2.GenerateManyMessage]:
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+    def send(self, stream_id: int, **fields: object) -> None:
+        message = common_pb2.GenerateManyMessage(stream_id=stream_id, **fields)  # type: ignore[arg-type]
+        self._outbox.put_nowait(message)
+
+    def half_close(self) -> None:
+        self._outbox.put_nowait(None)
+
+    async def read_until(self, done: set[int]) -> None:
+        """Reads until every generation in `done` has ended (Finished or an error)."""
+        while not done <= self.ended:
+            message = await self.call.read()
+            assert message is not grpc.aio.EOF, "the stream ended with generations open"
+            self.messages += 1
+            for item in message.events:
+                if item.WhichOneof("outcome") == "error":
+                    self.errors[item.stream_id] = status_pb2.Status.FromString(item.error)
+                else:
+                    self.events[item.stream_id].append(item.event)
+
+    @property
+    def ended(self) -> set[int]:
+        finished = {
+            i for i, events in self.events.items() if events[-1].WhichOneof("event") == "finished"
+        }
+        return finished | set(self.errors)
+
+    def token_ids(self, stream_id: int) -> list[int]:
+        events = self.events[stream_id]
+        return [t for e in events if e.WhichOneof("event") == "chunk" for t in e.chunk.token_ids]
+
+    def finish_reason(self, stream_id: int) -> int:
+        return self.events[stream_id][-1].finished.finish_reason
+
+
+async def route_many(
+    stub: router_pb2_grpc.RouterStub, req: common_pb2.InferenceRequest, limit_s: float = 30
+) -> StreamResult:
+    """`req` alone on a Router.GenerateMany stream, with `limit_s` as its timeout: its events;
+    the error that ended it raised as its KvmeshError."""
+    stream = ManyStream(stub.GenerateMany)
+    stream.send(1, request=req, timeout_ms=round(limit_s * 1000))
+    try:
+        await stream.read_until({1})
+    finally:
+        stream.half_close()
+    if 1 in stream.errors:
+        raise error_from_status(stream.errors[1])
+    return StreamResult(stream.events[1])
 
 
 def offline(

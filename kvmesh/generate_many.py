@@ -1,0 +1,251 @@
+"""GenerateMany from both ends: many generations on one bidi stream, each by the caller's number.
+
+The gateway runs its requests on the router this way (Router.GenerateMany), the router its
+colocated generations on each worker (Worker.GenerateMany). Each GenerateManyMessage opens or
+cancels one generation; the service answers with everything its generations produced since its
+last send, in one GenerateManyEvents message (kvmesh/generation_mux.py runs them), so that under
+a continuous batch one message carries a step's tokens for all its requests instead of one
+message each.
+
+`serve_many` is a servicer's side, `GenerateManyCall` and `Generation` the caller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.rpc import status_pb2
+from opentelemetry import propagate
+
+from kvmesh.client_streams import open_stream
+from kvmesh.errors import DeadlineExceeded, InvalidArgument, KvmeshError, Unavailable
+from kvmesh.generation_mux import GenerationMux
+from kvmesh.rpc_status import error_from_rpc, error_from_status, to_status_proto
+from kvmesh.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+
+OpenGeneration = Callable[
+    [common_pb2.GenerateManyMessage, asyncio.Event], AsyncIterator[common_pb2.GenerateEvent]
+]
+"""Opens one generation of the stream: its request message and the event its Cancel sets."""
+
+
+async def serve_many(
+    first: common_pb2.GenerateManyMessage,
+    messages: AsyncIterator[common_pb2.GenerateManyMessage],
+    mux: GenerationMux[common_pb2.GenerateEvent],
+    generation: OpenGeneration,
+) -> AsyncIterator[common_pb2.GenerateManyEvents]:
+    """A GenerateMany call's answer: opens and cancels its generations as their messages
+    arrive, sends what they produced as it is ready, and ends once the caller has half-closed
+    and every generation has ended. Leaving it early cancels every generation still running."""
+    reader = asyncio.create_task(_read(first, messages, mux, generation))
+    try:
+        async for batch in mux.batches():
+            yield common_pb2.GenerateManyEvents(
+                events=[_generation_event(stream_id, item) for stream_id, item in batch]
+            )
+        await reader  # its failure (a message that could not be decoded) ends the call
+    finally:
+        reader.cancel()
+        await mux.close()
+
+
+async def _read(
+    first: common_pb2.GenerateManyMessage,
+    messages: AsyncIterator[common_pb2.GenerateManyMessage],
+    mux: GenerationMux[common_pb2.GenerateEvent],
+    generation: OpenGeneration,
+) -> None:
+    try:
+        _dispatch(first, mux, generation)
+        async for message in messages:
+            _dispatch(message, mux, generation)
+    finally:
+        mux.no_more()
+
+
+def _dispatch(
+    message: common_pb2.GenerateManyMessage,
+    mux: GenerationMux[common_pb2.GenerateEvent],
+    generation: OpenGeneration,
+) -> None:
+    kind = message.WhichOneof("message")
+    if kind == "request":
+        mux.open(message.stream_id, functools.partial(generation, message))
+    elif kind == "cancel":
+        reason = message.cancel.reason or "no reason given"
+        log.info("generation %d cancelled by the caller: %s", message.stream_id, reason)
+        mux.cancel(message.stream_id)
+    else:
+        mux.fail(message.stream_id, InvalidArgument("message", "needs a request or a cancel"))
+
+
+def _generation_event(
+    stream_id: int, item: common_pb2.GenerateEvent | KvmeshError
+) -> common_pb2.GenerationEvent:
+    if isinstance(item, KvmeshError):
+        error = to_status_proto(item).SerializeToString()
+        return common_pb2.GenerationEvent(stream_id=stream_id, error=error)
+    return common_pb2.GenerationEvent(stream_id=stream_id, event=item)
+
+
+Item = common_pb2.GenerateEvent | KvmeshError | None
+"""What reaches a generation: its next event, the error that ended it, or None: cut."""
+
+
+class GenerateManyCall:
+    """One GenerateMany call from the caller's side: the generations it runs on one service,
+    each under a number of the call's, their events coming back batched.
+
+    It lasts while generations are open: once its last one ends it half-closes and takes no
+    more, and the service ends the call (so that the channel of a service that left can close:
+    the router's peers.py); the next generation opens a new call. A call that breaks fails
+    every generation on it with its status."""
+
+    def __init__(
+        self, start: Callable[[AsyncIterator[common_pb2.GenerateManyMessage]], Any], service: str
+    ) -> None:
+        """start: the stub's GenerateMany (given the messages to send); service: who answers,
+        as a message names it ("the router")."""
+        self.takes_more = True
+        """False once it has half-closed, or broke: generations go to a new call."""
+        self._service = service
+        self._outbox: asyncio.Queue[common_pb2.GenerateManyMessage | None] = asyncio.Queue()
+        self._inboxes: dict[int, asyncio.Queue[Item]] = {}
+        self._numbers = itertools.count(1)
+        self._call = open_stream(start, self._messages())
+        self.ended = asyncio.create_task(self._read())
+        """Done when the call has ended."""
+
+    def generate(self, request: common_pb2.InferenceRequest, time_left: float | None) -> Generation:
+        """Opens a generation of `request` with `time_left` seconds (None: no deadline), under
+        the current trace context."""
+        stream_id = next(self._numbers)
+        inbox = self._inboxes[stream_id] = asyncio.Queue()
+        trace_context: dict[str, str] = {}
+        propagate.inject(trace_context)
+        self._outbox.put_nowait(
+            common_pb2.GenerateManyMessage(
+                stream_id=stream_id,
+                request=request,
+                timeout_ms=0 if time_left is None else max(1, round(time_left * 1000)),
+                trace_context=trace_context,
+            )
+        )
+        deadline = None if time_left is None else time.monotonic() + time_left
+        return Generation(self, stream_id, inbox, deadline)
+
+    def send_cancel(self, stream_id: int, reason: str) -> None:
+        """Asks the service to abort a generation (nothing to ask once the call has ended)."""
+        if self.takes_more:
+            cancel = common_pb2.Cancel(reason=reason)
+            self._outbox.put_nowait(
+                common_pb2.GenerateManyMessage(stream_id=stream_id, cancel=cancel)
+            )
+
+    def release(self, stream_id: int) -> None:
+        """Forgets a generation; after the last one the call half-closes."""
+        if self._inboxes.pop(stream_id, None) is None or self._inboxes or not self.takes_more:
+            return
+        self.takes_more = False
+        self._outbox.put_nowait(None)
+
+    async def _messages(self) -> AsyncIterator[common_pb2.GenerateManyMessage]:
+        while (message := await self._outbox.get()) is not None:
+            yield message
+
+    async def _read(self) -> None:
+        """Hands each event to its generation; when the call ends, every generation still
+        open gets the call's error (UNAVAILABLE when the service ended it without one)."""
+        failure: grpc.aio.AioRpcError | None = None
+        try:
+            async for message in self._call:
+                for item in message.events:
+                    if (inbox := self._inboxes.get(item.stream_id)) is not None:
+                        inbox.put_nowait(_event_or_error(item))
+        except grpc.aio.AioRpcError as error:
+            failure = error
+        finally:
+            self.takes_more = False
+            for inbox in self._inboxes.values():  # an error each: callers may rename theirs
+                ended = Unavailable(f"{self._service} ended its GenerateMany stream")
+                inbox.put_nowait(ended if failure is None else error_from_rpc(failure))
+
+
+def _event_or_error(item: common_pb2.GenerationEvent) -> common_pb2.GenerateEvent | KvmeshError:
+    if item.WhichOneof("outcome") == "error":
+        return error_from_status(status_pb2.Status.FromString(item.error))
+    return item.event
+
+
+class Generation:
+    """One generation on a GenerateManyCall. `events()` gives its events until Finished, and
+    raises the error that ended it (DeadlineExceeded past its deadline, as its own call's
+    would); `cancel` asks the service to abort it, `cut` stops waiting for it, `close` ends
+    it, with a Cancel first when it is still running."""
+
+    def __init__(
+        self,
+        call: GenerateManyCall,
+        stream_id: int,
+        inbox: asyncio.Queue[Item],
+        deadline: float | None,
+    ) -> None:
+        self._call = call
+        self._stream_id = stream_id
+        self._inbox = inbox
+        self._deadline = deadline
+        self.ended = False
+        """Its Finished or its error arrived: nothing more will, a Cancel is too late."""
+        self._cut = False
+        self._cancel_sent = False
+
+    async def events(self) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        """Its events until Finished; ends early, without Finished, once cut."""
+        while not (self.ended or self._cut):
+            item = await self._next()
+            if item is None:
+                return
+            if isinstance(item, KvmeshError):
+                self.ended = True
+                raise item
+            self.ended = item.WhichOneof("event") == "finished"
+            yield item
+
+    def cancel(self, reason: str) -> None:
+        """Asks the service to abort it (once; not after it has ended)."""
+        if not (self.ended or self._cancel_sent):
+            self._cancel_sent = True
+            self._call.send_cancel(self._stream_id, reason)
+
+    def cut(self) -> None:
+        """Stops waiting for it: `events()` ends now (a generation still running was asked to
+        abort by `cancel`, or is by `close`)."""
+        if not self._cut:
+            self._cut = True
+            self._inbox.put_nowait(None)
+
+    def close(self, reason: str) -> None:
+        """Ends it on the caller's side: cancelled with `reason` when still running; safe to
+        call more than once."""
+        self.cancel(reason)
+        self.cut()
+        self._call.release(self._stream_id)
+
+    async def _next(self) -> Item:
+        if self._deadline is None:
+            return await self._inbox.get()
+        try:
+            remaining = max(self._deadline - time.monotonic(), 0.0)
+            return await asyncio.wait_for(self._inbox.get(), remaining)
+        except TimeoutError:
+            return DeadlineExceeded("Deadline Exceeded")
