@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import threading
-from collections.abc import AsyncIterator, Coroutine, Generator, Mapping, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -31,6 +33,7 @@ from opentelemetry import propagate
 
 from kvmesh.channels import CHANNEL_OPTIONS
 from kvmesh.errors import Internal, InvalidArgument
+from kvmesh.generate_many import GenerateManyCall, Generation
 from kvmesh.rpc_status import error_from_rpc
 from kvmesh.tls import client_credentials
 from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -413,42 +416,38 @@ class GenerationRecord:
         )
 
 
+GenerationOpener = Callable[[gateway_pb2.GenerateManyClientMessage, float | None], Generation]
+"""Opens a generation on the client's GenerateMany call: its opening message, its deadline."""
+
+
 class GenerationStream:
     """The chunks of one generation, as they arrive; `result` once the stream has ended.
 
-    The request starts on the first read. Closing the stream early cancels the request.
+    The request starts on the first read, on the client's shared Gateway.GenerateMany call.
+    Closing the stream early, or dropping it, cancels the request.
     """
 
     def __init__(
         self,
-        stub: gateway_pb2_grpc.GatewayStub,
+        open_generation: GenerationOpener,
         request: gateway_pb2.GenerateRequest,
-        metadata: Sequence[tuple[str, str]],
         deadline_s: float | None,
     ) -> None:
-        self._stub = stub
+        self._open_generation = open_generation
         self._request = request
-        self._metadata = tuple(metadata)
         self._deadline_s = deadline_s
-        self._call: Any = None
+        self._generation: Generation | None = None
         self._progress = GenerationRecord()
 
-    async def _start(self) -> Any:
-        # Written message by message (no request iterator): a stream nobody references any
-        # more is garbage-collected, and gRPC cancels a collected call.
-        call = self._stub.Generate(metadata=self._metadata, timeout=self._deadline_s)
-        self._call = call
-        await self._write(call, gateway_pb2.GenerateClientMessage(request=self._request))
-        return call
-
-    @staticmethod
-    async def _write(call: Any, message: gateway_pb2.GenerateClientMessage) -> None:
-        try:
-            await call.write(message)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            # The server ended the call first (e.g. it refused the credentials on sight); the
-            # next read raises its status, which says why, instead of this write's error.
-            return
+    def _opened(self) -> Generation:
+        """The request's generation, opened on first use."""
+        if self._generation is None:
+            opening = gateway_pb2.GenerateManyClientMessage(request=self._request)
+            generation = self._generation = self._open_generation(opening, self._deadline_s)
+            # A stream nobody references any more cancels its request (as gRPC cancels a call
+            # of its own when collected): the finalizer holds the generation, not the stream.
+            weakref.finalize(self, _drop, asyncio.get_running_loop(), generation)
+        return self._generation
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -471,37 +470,23 @@ class GenerationStream:
 
     async def _next_event(self) -> Chunk | None:
         """Reads one event and records it; the chunk when it was one."""
-        try:
-            call = self._call or await self._start()
-            event = await call.read()
-            if event is grpc.aio.EOF:
-                raise Internal("the gateway ended the stream without a Finished event")
-            chunk = self._progress.record(event)
-            if event.WhichOneof("event") == "finished":
-                # Half-closed (the gateway waits for that, or a Cancel, before it ends the
-                # call); then the call's status, so closing the stream now cancels nothing.
-                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                    await call.done_writing()
-                await call.read()
-            return chunk
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from None
+        event = await self._opened().next_event()
+        if event is None:
+            raise Internal("the gateway ended the stream without a Finished event")
+        return self._progress.record(event)
 
     async def cancel(self, reason: str = "cancelled by the client") -> GenerationResult:
         """Asks the gateway to stop; returns the partial result (finish reason "abort")."""
         if self._progress.finished is None:
-            call = self._call or await self._start()
-            await self._write(
-                call, gateway_pb2.GenerateClientMessage(cancel=common_pb2.Cancel(reason=reason))
-            )
+            self._opened().cancel(reason)
             async for _ in self:
                 pass
         return self.result
 
     async def aclose(self) -> None:
         """Ends the stream; a request still running is cancelled at every hop."""
-        if self._call is not None and not self._call.done():
-            self._call.cancel()
+        if self._generation is not None:
+            self._generation.close("cancelled by the client")
 
     async def __aenter__(self) -> GenerationStream:
         return self
@@ -518,6 +503,12 @@ class GenerationStream:
     def result(self) -> GenerationResult:
         """The finished generation (raises RuntimeError before the stream has ended)."""
         return self._progress.result()
+
+
+def _drop(loop: asyncio.AbstractEventLoop, generation: Generation) -> None:
+    """Closes a dropped stream's generation on its loop (a collector may run on any thread)."""
+    with contextlib.suppress(RuntimeError):  # the loop has closed: so has the call
+        loop.call_soon_threadsafe(generation.close, "the client dropped the stream")
 
 
 class Client:
@@ -543,6 +534,7 @@ class Client:
         self._channel = channel or gateway_channel(self.target, resolve_ca_file(ca_file))
         self._owns_channel = channel is None
         self._stub = gateway_pb2_grpc.GatewayStub(self._channel)
+        self._many: GenerateManyCall[gateway_pb2.GenerateManyClientMessage] | None = None
 
     def stream(
         self, prompt: PromptInput, *, deadline_s: float | None = None, **options: Any
@@ -554,7 +546,20 @@ class Client:
         self, request: gateway_pb2.GenerateRequest, *, deadline_s: float | None = None
     ) -> GenerationStream:
         """Streams a prepared request (see `build_request`)."""
-        return GenerationStream(self._stub, request, self._metadata(), deadline_s)
+        return GenerationStream(self._generation, request, deadline_s)
+
+    def _generation(
+        self, opening: gateway_pb2.GenerateManyClientMessage, deadline_s: float | None
+    ) -> Generation:
+        """Opens a generation on the client's GenerateMany call (a new one once the last has
+        half-closed), under the caller's current trace context."""
+        if self._many is None or not self._many.takes_more:
+            self._many = GenerateManyCall(
+                functools.partial(self._stub.GenerateMany, metadata=self._api_key_metadata),
+                gateway_pb2.GenerateManyClientMessage,
+                "the gateway",
+            )
+        return self._many.generate(opening, deadline_s)
 
     async def generate(
         self, prompt: PromptInput, *, deadline_s: float | None = None, **options: Any

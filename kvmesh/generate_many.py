@@ -1,8 +1,10 @@
 """GenerateMany from both ends: many generations on one bidi stream, each by the caller's number.
 
-The gateway runs its requests on the router this way (Router.GenerateMany), the router its
-colocated generations on each worker (Worker.GenerateMany). Each GenerateManyMessage opens or
-cancels one generation; the service answers with everything its generations produced since its
+The SDK runs a client's requests on the gateway this way (Gateway.GenerateMany), the gateway
+its requests on the router (Router.GenerateMany), the router its colocated generations on each
+worker (Worker.GenerateMany). Each message (GenerateManyClientMessage to the gateway,
+GenerateManyMessage below it: the same fields around each hop's request) opens or cancels one
+generation; the service answers with everything its generations produced since its
 last send, in one GenerateManyEvents message (kvmesh/generation_mux.py runs them), so that under
 a continuous batch one message carries a step's tokens for all its requests instead of one
 message each.
@@ -18,7 +20,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 from google.rpc import status_pb2
@@ -28,21 +30,22 @@ from kvmesh.client_streams import open_stream
 from kvmesh.errors import DeadlineExceeded, InvalidArgument, KvmeshError, Unavailable
 from kvmesh.generation_mux import GenerationMux
 from kvmesh.rpc_status import error_from_rpc, error_from_status, to_status_proto
-from kvmesh.v1 import common_pb2
+from kvmesh.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
 
-OpenGeneration = Callable[
-    [common_pb2.GenerateManyMessage, asyncio.Event], AsyncIterator[common_pb2.GenerateEvent]
-]
+Message = TypeVar("Message", common_pb2.GenerateManyMessage, gateway_pb2.GenerateManyClientMessage)
+"""A GenerateMany message: the gateway's from clients, or the one below the gateway."""
+
+OpenGeneration = Callable[[Message, asyncio.Event], AsyncIterator[common_pb2.GenerateEvent]]
 """Opens one generation of the stream: its request message and the event its Cancel sets."""
 
 
 async def serve_many(
-    first: common_pb2.GenerateManyMessage,
-    messages: AsyncIterator[common_pb2.GenerateManyMessage],
+    first: Message,
+    messages: AsyncIterator[Message],
     mux: GenerationMux[common_pb2.GenerateEvent],
-    generation: OpenGeneration,
+    generation: OpenGeneration[Message],
 ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
     """A GenerateMany call's answer: opens and cancels its generations as their messages
     arrive, sends what they produced as it is ready, and ends once the caller has half-closed
@@ -60,10 +63,10 @@ async def serve_many(
 
 
 async def _read(
-    first: common_pb2.GenerateManyMessage,
-    messages: AsyncIterator[common_pb2.GenerateManyMessage],
+    first: Message,
+    messages: AsyncIterator[Message],
     mux: GenerationMux[common_pb2.GenerateEvent],
-    generation: OpenGeneration,
+    generation: OpenGeneration[Message],
 ) -> None:
     try:
         _dispatch(first, mux, generation)
@@ -74,9 +77,9 @@ async def _read(
 
 
 def _dispatch(
-    message: common_pb2.GenerateManyMessage,
+    message: Message,
     mux: GenerationMux[common_pb2.GenerateEvent],
-    generation: OpenGeneration,
+    generation: OpenGeneration[Message],
 ) -> None:
     kind = message.WhichOneof("message")
     if kind == "request":
@@ -102,7 +105,7 @@ Item = common_pb2.GenerateEvent | KvmeshError | None
 """What reaches a generation: its next event, the error that ended it, or None: cut."""
 
 
-class GenerateManyCall:
+class GenerateManyCall(Generic[Message]):
     """One GenerateMany call from the caller's side: the generations it runs on one service,
     each under a number of the call's, their events coming back batched.
 
@@ -112,35 +115,33 @@ class GenerateManyCall:
     every generation on it with its status."""
 
     def __init__(
-        self, start: Callable[[AsyncIterator[common_pb2.GenerateManyMessage]], Any], service: str
+        self,
+        start: Callable[[AsyncIterator[Message]], Any],
+        message_type: type[Message],
+        service: str,
     ) -> None:
-        """start: the stub's GenerateMany (given the messages to send); service: who answers,
-        as a message names it ("the router")."""
+        """start: the stub's GenerateMany (given the messages to send); message_type: what it
+        takes; service: who answers, as a message names it ("the router")."""
         self.takes_more = True
         """False once it has half-closed, or broke: generations go to a new call."""
+        self._message_type: type[Message] = message_type
         self._service = service
-        self._outbox: asyncio.Queue[common_pb2.GenerateManyMessage | None] = asyncio.Queue()
+        self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
         self._inboxes: dict[int, asyncio.Queue[Item]] = {}
         self._numbers = itertools.count(1)
         self._call = open_stream(start, self._messages())
         self.ended = asyncio.create_task(self._read())
         """Done when the call has ended."""
 
-    def generate(self, request: common_pb2.InferenceRequest, time_left: float | None) -> Generation:
-        """Opens a generation of `request` with `time_left` seconds (None: no deadline), under
-        the current trace context."""
+    def generate(self, opening: Message, time_left: float | None) -> Generation:
+        """Opens a generation: `opening` holds its request; its number, `time_left` (seconds;
+        None: no deadline) and the current trace context are filled in here."""
         stream_id = next(self._numbers)
         inbox = self._inboxes[stream_id] = asyncio.Queue()
-        trace_context: dict[str, str] = {}
-        propagate.inject(trace_context)
-        self._outbox.put_nowait(
-            common_pb2.GenerateManyMessage(
-                stream_id=stream_id,
-                request=request,
-                timeout_ms=0 if time_left is None else max(1, round(time_left * 1000)),
-                trace_context=trace_context,
-            )
-        )
+        opening.stream_id = stream_id
+        opening.timeout_ms = 0 if time_left is None else max(1, round(time_left * 1000))
+        propagate.inject(opening.trace_context)
+        self._outbox.put_nowait(opening)
         deadline = None if time_left is None else time.monotonic() + time_left
         return Generation(self, stream_id, inbox, deadline)
 
@@ -148,9 +149,7 @@ class GenerateManyCall:
         """Asks the service to abort a generation (nothing to ask once the call has ended)."""
         if self.takes_more:
             cancel = common_pb2.Cancel(reason=reason)
-            self._outbox.put_nowait(
-                common_pb2.GenerateManyMessage(stream_id=stream_id, cancel=cancel)
-            )
+            self._outbox.put_nowait(self._message_type(stream_id=stream_id, cancel=cancel))
 
     def release(self, stream_id: int) -> None:
         """Forgets a generation; after the last one the call half-closes."""
@@ -159,7 +158,7 @@ class GenerateManyCall:
         self.takes_more = False
         self._outbox.put_nowait(None)
 
-    async def _messages(self) -> AsyncIterator[common_pb2.GenerateManyMessage]:
+    async def _messages(self) -> AsyncIterator[Message]:
         while (message := await self._outbox.get()) is not None:
             yield message
 
@@ -195,7 +194,7 @@ class Generation:
 
     def __init__(
         self,
-        call: GenerateManyCall,
+        call: GenerateManyCall[Any],
         stream_id: int,
         inbox: asyncio.Queue[Item],
         deadline: float | None,
@@ -211,15 +210,25 @@ class Generation:
 
     async def events(self) -> AsyncGenerator[common_pb2.GenerateEvent]:
         """Its events until Finished; ends early, without Finished, once cut."""
-        while not (self.ended or self._cut):
-            item = await self._next()
-            if item is None:
-                return
-            if isinstance(item, KvmeshError):
-                self.ended = True
-                raise item
-            self.ended = item.WhichOneof("event") == "finished"
-            yield item
+        while (event := await self.next_event()) is not None:
+            yield event
+
+    async def next_event(self) -> common_pb2.GenerateEvent | None:
+        """Its next event; None once it has ended or was cut. Once it has ended the call
+        forgets it (the call half-closes after its last one)."""
+        if self.ended or self._cut:
+            return None
+        item = await self._next()
+        if isinstance(item, KvmeshError):
+            self._end()
+            raise item
+        if item is not None and item.WhichOneof("event") == "finished":
+            self._end()
+        return item
+
+    def _end(self) -> None:
+        self.ended = True
+        self._call.release(self._stream_id)
 
     def cancel(self, reason: str) -> None:
         """Asks the service to abort it (once; not after it has ended)."""

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh.v1 import common_pb2 as kvmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/gateway.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xd9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12!\n\x06prompt\x18\x04 \x01(\x0b\x32\x11.kvmesh.v1.Prompt\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12%\n\x08priority\x18\x06 \x01(\x0e\x32\x13.kvmesh.v1.Priority\x12,\n\x0c\x63\x61\x63he_policy\x18\x07 \x01(\x0e\x32\x16.kvmesh.v1.CachePolicy\x12\x36\n\x06labels\x18\x08 \x03(\x0b\x32&.kvmesh.v1.GenerateRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"v\n\x15GenerateClientMessage\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequestH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.kvmesh.v1.CancelH\x00\x42\t\n\x07message\"\x1e\n\x0cUsageRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\xab\x01\n\x0bUsageTotals\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x04\x12\x1b\n\x13response_cache_hits\x18\x04 \x01(\x04\x12\x10\n\x08\x63ost_usd\x18\x05 \x01(\x01\x12\x1d\n\x15response_cache_tokens\x18\x06 \x01(\x04\"T\n\nModelUsage\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12%\n\x05usage\x18\x03 \x01(\x0b\x32\x16.kvmesh.v1.UsageTotals\"\xc6\x01\n\rUsageResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12%\n\x06models\x18\x02 \x03(\x0b\x32\x15.kvmesh.v1.ModelUsage\x12\x1a\n\x12tokens_this_minute\x18\x03 \x01(\x04\x12\x14\n\x0ctokens_today\x18\x04 \x01(\x04\x12\x1f\n\x17tokens_per_minute_limit\x18\x05 \x01(\x04\x12\x19\n\x11\x64\x61ily_token_limit\x18\x06 \x01(\x04\x12\x10\n\x08\x63ost_usd\x18\x07 \x01(\x01\"\x13\n\x11ListModelsRequest\"\x93\x02\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x18\n\x10usd_per_gpu_hour\x18\x05 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x19\n\x11usd_per_1k_tokens\x18\x07 \x01(\x01\x12\x16\n\x0e\x63ontext_length\x18\x08 \x01(\r\x12\x11\n\tavailable\x18\t \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\n \x01(\t\x12.\n\rservice_rates\x18\x0b \x01(\x0b\x32\x17.kvmesh.v1.ServiceRates\"b\n\x0cServiceRates\x12\x17\n\x0fprefill_base_ms\x18\x01 \x01(\x01\x12\x1c\n\x14prefill_ms_per_token\x18\x02 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_ms_per_token\x18\x03 \x01(\x01\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo2\xdc\x01\n\x07Gateway\x12J\n\x08Generate\x12 .kvmesh.v1.GenerateClientMessage\x1a\x18.kvmesh.v1.GenerateEvent(\x01\x30\x01\x12:\n\x05Usage\x12\x17.kvmesh.v1.UsageRequest\x1a\x18.kvmesh.v1.UsageResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvmesh/v1/gateway.proto\x12\tkvmesh.v1\x1a\x16kvmesh/v1/common.proto\"\xd9\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12!\n\x06prompt\x18\x04 \x01(\x0b\x32\x11.kvmesh.v1.Prompt\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.kvmesh.v1.SamplingParams\x12%\n\x08priority\x18\x06 \x01(\x0e\x32\x13.kvmesh.v1.Priority\x12,\n\x0c\x63\x61\x63he_policy\x18\x07 \x01(\x0e\x32\x16.kvmesh.v1.CachePolicy\x12\x36\n\x06labels\x18\x08 \x03(\x0b\x32&.kvmesh.v1.GenerateRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"v\n\x15GenerateClientMessage\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequestH\x00\x12#\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x11.kvmesh.v1.CancelH\x00\x42\t\n\x07message\"\xa5\x02\n\x19GenerateManyClientMessage\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12-\n\x07request\x18\x02 \x01(\x0b\x32\x1a.kvmesh.v1.GenerateRequestH\x00\x12#\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x11.kvmesh.v1.CancelH\x00\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\x12M\n\rtrace_context\x18\x05 \x03(\x0b\x32\x36.kvmesh.v1.GenerateManyClientMessage.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07message\"\x1e\n\x0cUsageRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"\xab\x01\n\x0bUsageTotals\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x04\x12\x1b\n\x13response_cache_hits\x18\x04 \x01(\x04\x12\x10\n\x08\x63ost_usd\x18\x05 \x01(\x01\x12\x1d\n\x15response_cache_tokens\x18\x06 \x01(\x04\"T\n\nModelUsage\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x08requests\x18\x02 \x01(\x04\x12%\n\x05usage\x18\x03 \x01(\x0b\x32\x16.kvmesh.v1.UsageTotals\"\xc6\x01\n\rUsageResponse\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12%\n\x06models\x18\x02 \x03(\x0b\x32\x15.kvmesh.v1.ModelUsage\x12\x1a\n\x12tokens_this_minute\x18\x03 \x01(\x04\x12\x14\n\x0ctokens_today\x18\x04 \x01(\x04\x12\x1f\n\x17tokens_per_minute_limit\x18\x05 \x01(\x04\x12\x19\n\x11\x64\x61ily_token_limit\x18\x06 \x01(\x04\x12\x10\n\x08\x63ost_usd\x18\x07 \x01(\x01\"\x13\n\x11ListModelsRequest\"\x93\x02\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x12\n\nbase_model\x18\x02 \x01(\t\x12\x14\n\x0cquantization\x18\x03 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\x12\x18\n\x10usd_per_gpu_hour\x18\x05 \x01(\x01\x12\x19\n\x11tokens_per_second\x18\x06 \x01(\x01\x12\x19\n\x11usd_per_1k_tokens\x18\x07 \x01(\x01\x12\x16\n\x0e\x63ontext_length\x18\x08 \x01(\r\x12\x11\n\tavailable\x18\t \x01(\x08\x12\x10\n\x08\x66\x61llback\x18\n \x01(\t\x12.\n\rservice_rates\x18\x0b \x01(\x0b\x32\x17.kvmesh.v1.ServiceRates\"b\n\x0cServiceRates\x12\x17\n\x0fprefill_base_ms\x18\x01 \x01(\x01\x12\x1c\n\x14prefill_ms_per_token\x18\x02 \x01(\x01\x12\x1b\n\x13\x64\x65\x63ode_ms_per_token\x18\x03 \x01(\x01\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.kvmesh.v1.ModelInfo2\xb5\x02\n\x07Gateway\x12J\n\x08Generate\x12 .kvmesh.v1.GenerateClientMessage\x1a\x18.kvmesh.v1.GenerateEvent(\x01\x30\x01\x12W\n\x0cGenerateMany\x12$.kvmesh.v1.GenerateManyClientMessage\x1a\x1d.kvmesh.v1.GenerateManyEvents(\x01\x30\x01\x12:\n\x05Usage\x12\x17.kvmesh.v1.UsageRequest\x1a\x18.kvmesh.v1.UsageResponse\x12I\n\nListModels\x12\x1c.kvmesh.v1.ListModelsRequest\x1a\x1d.kvmesh.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,28 +34,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_GENERATEMANYCLIENTMESSAGE_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_GENERATEMANYCLIENTMESSAGE_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=63
   _globals['_GENERATEREQUEST']._serialized_end=408
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_start=363
   _globals['_GENERATEREQUEST_LABELSENTRY']._serialized_end=408
   _globals['_GENERATECLIENTMESSAGE']._serialized_start=410
   _globals['_GENERATECLIENTMESSAGE']._serialized_end=528
-  _globals['_USAGEREQUEST']._serialized_start=530
-  _globals['_USAGEREQUEST']._serialized_end=560
-  _globals['_USAGETOTALS']._serialized_start=563
-  _globals['_USAGETOTALS']._serialized_end=734
-  _globals['_MODELUSAGE']._serialized_start=736
-  _globals['_MODELUSAGE']._serialized_end=820
-  _globals['_USAGERESPONSE']._serialized_start=823
-  _globals['_USAGERESPONSE']._serialized_end=1021
-  _globals['_LISTMODELSREQUEST']._serialized_start=1023
-  _globals['_LISTMODELSREQUEST']._serialized_end=1042
-  _globals['_MODELINFO']._serialized_start=1045
-  _globals['_MODELINFO']._serialized_end=1320
-  _globals['_SERVICERATES']._serialized_start=1322
-  _globals['_SERVICERATES']._serialized_end=1420
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1422
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1480
-  _globals['_GATEWAY']._serialized_start=1483
-  _globals['_GATEWAY']._serialized_end=1703
+  _globals['_GENERATEMANYCLIENTMESSAGE']._serialized_start=531
+  _globals['_GENERATEMANYCLIENTMESSAGE']._serialized_end=824
+  _globals['_GENERATEMANYCLIENTMESSAGE_TRACECONTEXTENTRY']._serialized_start=762
+  _globals['_GENERATEMANYCLIENTMESSAGE_TRACECONTEXTENTRY']._serialized_end=813
+  _globals['_USAGEREQUEST']._serialized_start=826
+  _globals['_USAGEREQUEST']._serialized_end=856
+  _globals['_USAGETOTALS']._serialized_start=859
+  _globals['_USAGETOTALS']._serialized_end=1030
+  _globals['_MODELUSAGE']._serialized_start=1032
+  _globals['_MODELUSAGE']._serialized_end=1116
+  _globals['_USAGERESPONSE']._serialized_start=1119
+  _globals['_USAGERESPONSE']._serialized_end=1317
+  _globals['_LISTMODELSREQUEST']._serialized_start=1319
+  _globals['_LISTMODELSREQUEST']._serialized_end=1338
+  _globals['_MODELINFO']._serialized_start=1341
+  _globals['_MODELINFO']._serialized_end=1616
+  _globals['_SERVICERATES']._serialized_start=1618
+  _globals['_SERVICERATES']._serialized_end=1716
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1718
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1776
+  _globals['_GATEWAY']._serialized_start=1779
+  _globals['_GATEWAY']._serialized_end=2088
 # @@protoc_insertion_point(module_scope)

@@ -131,6 +131,78 @@ class GenerateClientMessage(_message.Message):
 Global___GenerateClientMessage: _TypeAlias = GenerateClientMessage  # noqa: Y015
 
 @_typing.final
+class GenerateManyClientMessage(_message.Message):
+    """A message from a client on Gateway.GenerateMany: opens, or cancels, one of the requests the
+    stream carries (the SDK's streams from one client share one such call).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class TraceContextEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    STREAM_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    TRACE_CONTEXT_FIELD_NUMBER: _builtins.int
+    stream_id: _builtins.int
+    """The request it is about: the client's number, unique among the stream's open ones."""
+    timeout_ms: _builtins.int
+    """With the request: milliseconds it may take, counted from when the gateway reads it (as
+    Generate's deadline); 0: no deadline.
+    """
+    @_builtins.property
+    def request(self) -> Global___GenerateRequest:
+        """Opens the request, as Generate's first message does."""
+
+    @_builtins.property
+    def cancel(self) -> _common_pb2.Cancel:
+        """Aborts the request at every hop."""
+
+    @_builtins.property
+    def trace_context(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """With the request: the client's W3C trace context (traceparent, tracestate headers), the
+        parent of the request's span on the gateway.
+        """
+
+    def __init__(
+        self,
+        *,
+        stream_id: _builtins.int = ...,
+        request: Global___GenerateRequest | None = ...,
+        cancel: _common_pb2.Cancel | None = ...,
+        timeout_ms: _builtins.int = ...,
+        trace_context: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "request", b"request", "stream_id", b"stream_id", "timeout_ms", b"timeout_ms", "trace_context", b"trace_context"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["request", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
+
+Global___GenerateManyClientMessage: _TypeAlias = GenerateManyClientMessage  # noqa: Y015
+
+@_typing.final
 class UsageRequest(_message.Message):
     """Asks for a tenant's metered usage."""
 

@@ -41,6 +41,11 @@ class GatewayStub:
                 request_serializer=kvmesh_dot_v1_dot_gateway__pb2.GenerateClientMessage.SerializeToString,
                 response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateEvent.FromString,
                 _registered_method=True)
+        self.GenerateMany = channel.stream_stream(
+                '/kvmesh.v1.Gateway/GenerateMany',
+                request_serializer=kvmesh_dot_v1_dot_gateway__pb2.GenerateManyClientMessage.SerializeToString,
+                response_deserializer=kvmesh_dot_v1_dot_common__pb2.GenerateManyEvents.FromString,
+                _registered_method=True)
         self.Usage = channel.unary_unary(
                 '/kvmesh.v1.Gateway/Usage',
                 request_serializer=kvmesh_dot_v1_dot_gateway__pb2.UsageRequest.SerializeToString,
@@ -59,6 +64,14 @@ class GatewayServicer:
 
     def Generate(self, request_iterator, context):
         """Generate: first client message the request, an optional later Cancel; events Started, TokenChunk*, Finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateMany(self, request_iterator, context):
+        """Many requests on one stream, each opened or cancelled by its number, their events batched
+        (GenerationEvent per request: Generate's events, or the status it would have ended with).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,6 +98,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=kvmesh_dot_v1_dot_gateway__pb2.GenerateClientMessage.FromString,
                     response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateEvent.SerializeToString,
+            ),
+            'GenerateMany': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMany,
+                    request_deserializer=kvmesh_dot_v1_dot_gateway__pb2.GenerateManyClientMessage.FromString,
+                    response_serializer=kvmesh_dot_v1_dot_common__pb2.GenerateManyEvents.SerializeToString,
             ),
             'Usage': grpc.unary_unary_rpc_method_handler(
                     servicer.Usage,
@@ -125,6 +143,33 @@ class Gateway:
             '/kvmesh.v1.Gateway/Generate',
             kvmesh_dot_v1_dot_gateway__pb2.GenerateClientMessage.SerializeToString,
             kvmesh_dot_v1_dot_common__pb2.GenerateEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateMany(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.v1.Gateway/GenerateMany',
+            kvmesh_dot_v1_dot_gateway__pb2.GenerateManyClientMessage.SerializeToString,
+            kvmesh_dot_v1_dot_common__pb2.GenerateManyEvents.FromString,
             options,
             channel_credentials,
             insecure,

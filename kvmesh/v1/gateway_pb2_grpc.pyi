@@ -39,6 +39,10 @@ class GatewayStub:
     def __new__(cls, channel: _aio.Channel) -> GatewayAsyncStub: ...
     Generate: _grpc.StreamStreamMultiCallable[_gateway_pb2.GenerateClientMessage, _common_pb2.GenerateEvent]
     """Generate: first client message the request, an optional later Cancel; events Started, TokenChunk*, Finished."""
+    GenerateMany: _grpc.StreamStreamMultiCallable[_gateway_pb2.GenerateManyClientMessage, _common_pb2.GenerateManyEvents]
+    """Many requests on one stream, each opened or cancelled by its number, their events batched
+    (GenerationEvent per request: Generate's events, or the status it would have ended with).
+    """
     Usage: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.UsageRequest, _gateway_pb2.UsageResponse]
     """A tenant's metered usage and cost."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListModelsRequest, _gateway_pb2.ListModelsResponse]
@@ -51,6 +55,10 @@ class GatewayAsyncStub(GatewayStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.StreamStreamMultiCallable[_gateway_pb2.GenerateClientMessage, _common_pb2.GenerateEvent]  # type: ignore[assignment]
     """Generate: first client message the request, an optional later Cancel; events Started, TokenChunk*, Finished."""
+    GenerateMany: _aio.StreamStreamMultiCallable[_gateway_pb2.GenerateManyClientMessage, _common_pb2.GenerateManyEvents]  # type: ignore[assignment]
+    """Many requests on one stream, each opened or cancelled by its number, their events batched
+    (GenerationEvent per request: Generate's events, or the status it would have ended with).
+    """
     Usage: _aio.UnaryUnaryMultiCallable[_gateway_pb2.UsageRequest, _gateway_pb2.UsageResponse]  # type: ignore[assignment]
     """A tenant's metered usage and cost."""
     ListModels: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListModelsRequest, _gateway_pb2.ListModelsResponse]  # type: ignore[assignment]
@@ -66,6 +74,16 @@ class GatewayServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_common_pb2.GenerateEvent], _abc.AsyncIterator[_common_pb2.GenerateEvent]]:
         """Generate: first client message the request, an optional later Cancel; events Started, TokenChunk*, Finished."""
+
+    @_abc_1.abstractmethod
+    def GenerateMany(
+        self,
+        request_iterator: _MaybeAsyncIterator[_gateway_pb2.GenerateManyClientMessage],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_common_pb2.GenerateManyEvents], _abc.AsyncIterator[_common_pb2.GenerateManyEvents]]:
+        """Many requests on one stream, each opened or cancelled by its number, their events batched
+        (GenerationEvent per request: Generate's events, or the status it would have ended with).
+        """
 
     @_abc_1.abstractmethod
     def Usage(

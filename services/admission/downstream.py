@@ -36,7 +36,7 @@ class RouterClient:
     def __init__(self, channel: grpc.aio.Channel, cancel_grace_s: float = 2.0) -> None:
         self._stub = router_pb2_grpc.RouterStub(channel)
         self._cancel_grace_s = cancel_grace_s
-        self._call: GenerateManyCall | None = None
+        self._call: GenerateManyCall[common_pb2.GenerateManyMessage] | None = None
 
     async def list_models(self, timeout_s: float = 5.0) -> list[ModelSpec]:
         try:
@@ -53,8 +53,10 @@ class RouterClient:
         """Starts the request on the router; read its events with `events()`, close it with
         `close()`."""
         if self._call is None or not self._call.takes_more:
-            self._call = GenerateManyCall(self._stub.GenerateMany, "the router")
-        generation = self._call.generate(request, timeout_s)
+            many = common_pb2.GenerateManyMessage
+            self._call = GenerateManyCall(self._stub.GenerateMany, many, "the router")
+        opening = common_pb2.GenerateManyMessage(request=request)
+        generation = self._call.generate(opening, timeout_s)
         return RouterStream(generation, self._cancel_grace_s)
 
 

@@ -6,14 +6,21 @@ Requests whose bytes do not parse never reach it: the shared error interceptor
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
 
+from kvmesh.background import Background
 from kvmesh.errors import InvalidArgument
+from kvmesh.generate_many import serve_many
+from kvmesh.generation_mux import GenerationMux
+from kvmesh.server_tracing import server_span
 from kvmesh.streams import CancelWatch, first_message
+from kvmesh.tenants import Tenant
 from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.admission.gateway import Gateway
 
@@ -27,6 +34,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def __init__(self, gateway: Gateway) -> None:
         self._gateway = gateway
+        self._background = Background()
 
     async def Generate(
         self,
@@ -49,6 +57,39 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await watch.caller_done()
         finally:
             await watch.close()
+
+    async def GenerateMany(
+        self,
+        request_iterator: AsyncIterator[gateway_pb2.GenerateManyClientMessage],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
+        # As Generate: the first message is read before the credentials are checked. They
+        # are the call's, so every request on it is the same tenant's.
+        first = await first_message(request_iterator, "request")
+        tenant = self._gateway.authenticate(context.invocation_metadata() or ())
+        mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
+        # The end of the RPC stops every request on it (each settles its books on the way out).
+        context.add_done_callback(
+            lambda _: self._background.spawn(mux.close(), "closing a GenerateMany stream")
+        )
+        generation = functools.partial(self._many_generation, tenant)
+        async for events in serve_many(first, request_iterator, mux, generation):
+            yield events
+
+    async def _many_generation(
+        self,
+        tenant: Tenant,
+        message: gateway_pb2.GenerateManyClientMessage,
+        cancelled: asyncio.Event,
+    ) -> AsyncIterator[common_pb2.GenerateEvent]:
+        """One request of a GenerateMany stream: Generate's, under a span of its own whose
+        parent is the client's (the message's trace context)."""
+        with server_span("/kvmesh.v1.Gateway/Generate", dict(message.trace_context)):
+            timeout_s = message.timeout_ms / 1000 if message.timeout_ms else None
+            answer = self._gateway.generate(tenant, message.request, cancelled, timeout_s)
+            async with aclosing(answer) as events:
+                async for event in events:
+                    yield event
 
     async def Usage(
         self,

@@ -58,7 +58,7 @@ class GrpcWorkers:
 
     def __init__(self, peers: Peers) -> None:
         self._peers = peers
-        self._calls: dict[str, GenerateManyCall] = {}
+        self._calls: dict[str, GenerateManyCall[common_pb2.GenerateManyMessage]] = {}
 
     async def colocated(
         self, address: str, request: common_pb2.InferenceRequest, time_left: float | None
@@ -67,9 +67,11 @@ class GrpcWorkers:
         if call is None or not call.takes_more:
             # Untraced: the call outlives any one request; each generation carries its own.
             stub = self._peers.worker(address, traced=False)
-            call = self._calls[address] = GenerateManyCall(stub.GenerateMany, "the worker")
+            call = GenerateManyCall(stub.GenerateMany, common_pb2.GenerateManyMessage, "the worker")
+            self._calls[address] = call
             call.ended.add_done_callback(lambda _: self._forget(address, call))
-        generation = call.generate(request, time_left)
+        opening = common_pb2.GenerateManyMessage(request=request)
+        generation = call.generate(opening, time_left)
         try:
             async for event in generation.events():
                 yield event
@@ -78,7 +80,7 @@ class GrpcWorkers:
         finally:
             generation.close("the router closed the generation")
 
-    def _forget(self, address: str, call: GenerateManyCall) -> None:
+    def _forget(self, address: str, call: GenerateManyCall[common_pb2.GenerateManyMessage]) -> None:
         """Drops an ended call (a departed worker's would stay otherwise)."""
         if self._calls.get(address) is call:
             del self._calls[address]

@@ -38,8 +38,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import kvmesh
 from kvmesh.channels import member_channel
+from kvmesh.client import build_request
 from kvmesh.mesh_auth import MeshMember, MeshRole
 from kvmesh.mesh_keys import MeshKeys
+from kvmesh.rpc_status import error_from_status
 from kvmesh.stack import (
     FIRST_WORKER_METRICS_PORT,
     FIRST_WORKER_PORT,
@@ -49,12 +51,16 @@ from kvmesh.stack import (
 from kvmesh.v1 import (
     cache_pb2,
     cache_pb2_grpc,
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
     router_pb2,
     router_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
 from tests.procs import REPO_ROOT
+from tests.service.worker_mesh import ManyStream
 
 TIER = "tiny"
 PROMPT = "The quick brown fox"
@@ -328,6 +334,62 @@ def test_one_trace_per_request_across_all_five_processes(stack: RunningStack) ->
     assert {"/kvmesh.v1.Worker/Prefill", "/kvmesh.v1.Worker/PullKv"} <= names
     generation = next(s for s in trace if "gen_ai.usage.output_tokens" in s["attributes"])
     assert generation["attributes"]["gen_ai.request.model"] == TIER
+
+
+def test_the_sdks_concurrent_streams_share_one_generate_many_call(
+    stack: RunningStack, tiny_llama_dir: Path
+) -> None:
+    prompts = [f"Count with me: {i}, {i + 1}," for i in range(4)]
+
+    async def together() -> list[kvmesh.GenerationResult]:
+        async with kvmesh.Client(stack.gateway) as client:
+            answers = (
+                client.generate(p, max_tokens=MAX_TOKENS, cache_policy="bypass") for p in prompts
+            )
+            return await asyncio.gather(*answers)
+
+    def gateway_calls() -> int:
+        time.sleep(1.0)  # server spans end as their RPCs close
+        return sum(s["name"] == "/kvmesh.v1.Gateway/GenerateMany" for s in load_spans(stack.spans))
+
+    before = gateway_calls()
+    results = asyncio.run(together())
+    assert [r.token_ids for r in results] == [expected_tokens(tiny_llama_dir, p) for p in prompts]
+    assert gateway_calls() == before + 1
+
+
+def test_the_gateways_generate_many_fails_a_bad_message_alone_and_cancels_by_number(
+    stack: RunningStack,
+) -> None:
+    long_answer = build_request(PROMPT, max_tokens=400, ignore_eos=True, cache_policy="bypass")
+
+    async def run() -> ManyStream:
+        async with grpc.aio.insecure_channel(stack.gateway) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
+            stream = ManyStream(stub.GenerateMany, gateway_pb2.GenerateManyClientMessage)
+            stream.send(1)  # neither a request nor a cancel
+            stream.send(2, request=build_request(PROMPT, model="no-such-tier"))
+            stream.send(3, request=long_answer)
+            stream.send(4, request=build_request(PROMPT, max_tokens=MAX_TOKENS))
+            await stream.read_until({1, 2, 4})
+            assert 3 not in stream.ended
+            stream.send(3, cancel=common_pb2.Cancel(reason="the test is done with it"))
+            await stream.read_until({3})
+            stream.half_close()
+            assert await stream.call.code() == grpc.StatusCode.OK
+            return stream
+
+    stream = asyncio.run(run())
+    failures = {i: error_from_status(s) for i, s in stream.errors.items()}
+    assert {i: e.status for i, e in failures.items()} == dict.fromkeys((1, 2), "INVALID_ARGUMENT")
+    assert "no-such-tier" in str(failures[2])
+    assert stream.finish_reason(3) == common_pb2.FINISH_REASON_ABORT
+    assert len(stream.token_ids(3)) < 400
+    assert stream.finish_reason(4) in (
+        common_pb2.FINISH_REASON_LENGTH,
+        common_pb2.FINISH_REASON_STOP,
+    )
+    assert stream.events[4][0].started.model == TIER
 
 
 def test_status_and_the_scaling_signal(stack: RunningStack) -> None:

@@ -16,11 +16,21 @@ from kvmesh.channels import member_channel
 from kvmesh.config import load_config
 from kvmesh.mesh_auth import MeshMember
 from kvmesh.rpc_status import error_from_status
-from kvmesh.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from kvmesh.v1 import (
+    common_pb2,
+    gateway_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from services.worker.__main__ import Worker, build_worker
 from services.worker.config import WorkerConfig
 from services.worker.convert import sampling_params
 from services.worker.engine.llm import LLM
+
+Message = common_pb2.GenerateManyMessage | gateway_pb2.GenerateManyClientMessage
+"""What a GenerateMany call takes: the gateway's from clients, or the one below it."""
 
 KV_BLOCKS = 64
 """KV pool of every test worker: small, so a leaked block shows."""
@@ -190,19 +200,24 @@ class ManyStream:
     """A GenerateMany call (a worker's or the router's): messages go in by `send`, events come
     out by generation."""
 
-    def __init__(self, start: Callable[..., grpc.aio.StreamStreamCall]) -> None:
-        self._outbox: asyncio.Queue[common_pb2.GenerateManyMessage | None] = asyncio.Queue()
+    def __init__(
+        self,
+        start: Callable[..., grpc.aio.StreamStreamCall],
+        message_type: Callable[..., Message] = common_pb2.GenerateManyMessage,
+    ) -> None:
+        self._message_type = message_type
+        self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
         self.call = start(self._messages(), timeout=60)
         self.events: dict[int, list[common_pb2.GenerateEvent]] = defaultdict(list)
         self.errors: dict[int, status_pb2.Status] = {}
         self.messages = 0
 
-    async def _messages(self) -> AsyncIterator[common_pb2.GenerateManyMessage]:
+    async def _messages(self) -> AsyncIterator[Message]:
         while (message := await self._outbox.get()) is not None:
             yield message
 
     def send(self, stream_id: int, **fields: object) -> None:
-        message = common_pb2.GenerateManyMessage(stream_id=stream_id, **fields)  # type: ignore[arg-type]
+        message = self._message_type(stream_id=stream_id, **fields)
         self._outbox.put_nowait(message)
 
     def half_close(self) -> None:
