@@ -19,7 +19,7 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -44,12 +44,17 @@ OpenGeneration = Callable[[Message, asyncio.Event], AsyncIterator[common_pb2.Gen
 async def serve_many(
     first: Message,
     messages: AsyncIterator[Message],
-    mux: GenerationMux[common_pb2.GenerateEvent],
+    context: grpc.aio.ServicerContext,
     generation: OpenGeneration[Message],
+    spawn: Callable[[Coroutine[Any, Any, None]], object],
 ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
     """A GenerateMany call's answer: opens and cancels its generations as their messages
     arrive, sends what they produced as it is ready, and ends once the caller has half-closed
-    and every generation has ended. Leaving it early cancels every generation still running."""
+    and every generation has ended. Leaving it early cancels every generation still running,
+    and so does the end of the RPC (gRPC may drop a handler whose caller went away without
+    resuming it): `spawn` runs that in the background."""
+    mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
+    context.add_done_callback(lambda _: spawn(mux.close()))
     reader = asyncio.create_task(_read(first, messages, mux, generation))
     try:
         async for batch in mux.batches():

@@ -17,7 +17,6 @@ import grpc
 from kvmesh.background import Background
 from kvmesh.errors import InvalidArgument
 from kvmesh.generate_many import serve_many
-from kvmesh.generation_mux import GenerationMux
 from kvmesh.server_tracing import server_span
 from kvmesh.streams import CancelWatch, first_message
 from kvmesh.tenants import Tenant
@@ -67,13 +66,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # are the call's, so every request on it is the same tenant's.
         first = await first_message(request_iterator, "request")
         tenant = self._gateway.authenticate(context.invocation_metadata() or ())
-        mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
-        # The end of the RPC stops every request on it (each settles its books on the way out).
-        context.add_done_callback(
-            lambda _: self._background.spawn(mux.close(), "closing a GenerateMany stream")
-        )
         generation = functools.partial(self._many_generation, tenant)
-        async for events in serve_many(first, request_iterator, mux, generation):
+        spawn = functools.partial(self._background.spawn, what="closing a GenerateMany stream")
+        async for events in serve_many(first, request_iterator, context, generation, spawn):
             yield events
 
     async def _many_generation(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -20,7 +21,6 @@ from kvmesh.background import Background
 from kvmesh.contracts.constraints import checked_constraint
 from kvmesh.errors import InvalidArgument
 from kvmesh.generate_many import serve_many
-from kvmesh.generation_mux import GenerationMux
 from kvmesh.request_limits import check_inference_request
 from kvmesh.server_tracing import server_span
 from kvmesh.streams import CancelWatch, Coalescer, first_message
@@ -95,12 +95,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
         first = await first_message(request_iterator, "request")
-        mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
-        # As Generate's: the end of the RPC stops every generation (each closes its calls).
-        context.add_done_callback(
-            lambda _: self._background.spawn(mux.close(), "closing a GenerateMany stream")
-        )
-        async for events in serve_many(first, request_iterator, mux, self._many_generation):
+        spawn = functools.partial(self._background.spawn, what="closing a GenerateMany stream")
+        many = serve_many(first, request_iterator, context, self._many_generation, spawn)
+        async for events in many:
             yield events
 
     async def _many_generation(

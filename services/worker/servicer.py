@@ -39,7 +39,6 @@ from kvmesh.errors import (
     ResourceExhausted,
 )
 from kvmesh.generate_many import serve_many
-from kvmesh.generation_mux import GenerationMux
 from kvmesh.mesh_auth import caller_of
 from kvmesh.mesh_keys import MeshKeys
 from kvmesh.server_tracing import server_span
@@ -190,9 +189,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
         first = await first_message(request_iterator, "request")  # before a refusal: see Generate
         self._require(self.config.role == "colocated", "GenerateMany", "colocated")
-        mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
-        context.add_done_callback(lambda _: self._spawn(mux.close()))  # see _track
-        async for events in serve_many(first, request_iterator, mux, self._many_generation):
+        many = serve_many(first, request_iterator, context, self._many_generation, self._spawn)
+        async for events in many:
             yield events
 
     async def _many_generation(
