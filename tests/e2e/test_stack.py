@@ -9,6 +9,7 @@ without losing its in-flight requests; Ctrl-C must leave no process behind.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
@@ -356,6 +357,30 @@ def test_the_sdks_concurrent_streams_share_one_generate_many_call(
     results = asyncio.run(together())
     assert [r.token_ids for r in results] == [expected_tokens(tiny_llama_dir, p) for p in prompts]
     assert gateway_calls() == before + 1
+
+
+def test_a_dropped_sdk_stream_cancels_its_request(stack: RunningStack) -> None:
+    dropped = "cancelled by the caller: the client dropped the stream"
+
+    def cancels_seen() -> int:
+        return sum(dropped in line for line in list(stack.output))
+
+    async def drop_a_running_stream() -> None:
+        async with kvmesh.Client(stack.gateway) as client:
+            stream = client.stream(PROMPT, max_tokens=400, ignore_eos=True, cache_policy="bypass")
+            await anext(stream)  # running: its first tokens are out
+            del stream  # nothing refers to it any more: no close, no cancel
+            gc.collect()
+            # The gateway receives the stream's Cancel (the tiny model may have finished the
+            # answer by then: the Cancel is sent all the same, and the gateway logs it).
+            for _ in range(100):
+                if cancels_seen() > already:
+                    return
+                await asyncio.sleep(0.1)
+
+    already = cancels_seen()
+    asyncio.run(drop_a_running_stream())
+    assert cancels_seen() == already + 1
 
 
 def test_the_gateways_generate_many_fails_a_bad_message_alone_and_cancels_by_number(
