@@ -15,6 +15,7 @@ message each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import logging
@@ -30,6 +31,7 @@ from kvmesh.client_streams import open_stream
 from kvmesh.errors import DeadlineExceeded, InvalidArgument, KvmeshError, Unavailable
 from kvmesh.generation_mux import GenerationMux
 from kvmesh.rpc_status import error_from_rpc, error_from_status, to_status_proto
+from kvmesh.server_tracing import server_span
 from kvmesh.v1 import common_pb2, gateway_pb2
 
 log = logging.getLogger(__name__)
@@ -37,25 +39,31 @@ log = logging.getLogger(__name__)
 Message = TypeVar("Message", common_pb2.GenerateManyMessage, gateway_pb2.GenerateManyClientMessage)
 """A GenerateMany message: the gateway's from clients, or the one below the gateway."""
 
-OpenGeneration = Callable[[Message, asyncio.Event], AsyncIterator[common_pb2.GenerateEvent]]
-"""Opens one generation of the stream: its request message and the event its Cancel sets."""
+OpenGeneration = Callable[
+    [Message, asyncio.Event, float | None], AsyncGenerator[common_pb2.GenerateEvent]
+]
+"""Opens one generation of the stream: its request message, the event its Cancel sets, and
+the seconds it may take (None: no deadline)."""
 
 
 async def serve_many(
     first: Message,
     messages: AsyncIterator[Message],
     context: grpc.aio.ServicerContext,
+    method: str,
     generation: OpenGeneration[Message],
     spawn: Callable[[Coroutine[Any, Any, None]], object],
 ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
     """A GenerateMany call's answer: opens and cancels its generations as their messages
     arrive, sends what they produced as it is ready, and ends once the caller has half-closed
-    and every generation has ended. Leaving it early cancels every generation still running,
-    and so does the end of the RPC (gRPC may drop a handler whose caller went away without
+    and every generation has ended. Each generation runs under a server span named `method`,
+    as its own call's would be. Leaving it early cancels every generation still running, and
+    so does the end of the RPC (gRPC may drop a handler whose caller went away without
     resuming it): `spawn` runs that in the background."""
     mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
     context.add_done_callback(lambda _: spawn(mux.close()))
-    reader = asyncio.create_task(_read(first, messages, mux, generation))
+    opened = functools.partial(_spanned, method, generation)
+    reader = asyncio.create_task(_read(first, messages, mux, opened))
     try:
         async for batch in mux.batches():
             yield common_pb2.GenerateManyEvents(
@@ -67,11 +75,15 @@ async def serve_many(
         await mux.close()
 
 
+Opened = Callable[[Message, asyncio.Event], AsyncIterator[common_pb2.GenerateEvent]]
+"""A generation opened under its span: its request message and the event its Cancel sets."""
+
+
 async def _read(
     first: Message,
     messages: AsyncIterator[Message],
     mux: GenerationMux[common_pb2.GenerateEvent],
-    generation: OpenGeneration[Message],
+    generation: Opened[Message],
 ) -> None:
     try:
         _dispatch(first, mux, generation)
@@ -84,7 +96,7 @@ async def _read(
 def _dispatch(
     message: Message,
     mux: GenerationMux[common_pb2.GenerateEvent],
-    generation: OpenGeneration[Message],
+    generation: Opened[Message],
 ) -> None:
     kind = message.WhichOneof("message")
     if kind == "request":
@@ -95,6 +107,18 @@ def _dispatch(
         mux.cancel(message.stream_id)
     else:
         mux.fail(message.stream_id, InvalidArgument("message", "needs a request or a cancel"))
+
+
+async def _spanned(
+    method: str, generation: OpenGeneration[Message], message: Message, cancelled: asyncio.Event
+) -> AsyncIterator[common_pb2.GenerateEvent]:
+    """A generation under a span of its own whose parent is the caller's (the message's trace
+    context), given the message's timeout in seconds."""
+    timeout_s = message.timeout_ms / 1000 if message.timeout_ms else None
+    with server_span(method, dict(message.trace_context)):
+        async with contextlib.aclosing(generation(message, cancelled, timeout_s)) as events:
+            async for event in events:
+                yield event
 
 
 def _generation_event(

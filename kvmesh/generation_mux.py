@@ -1,7 +1,8 @@
 """Many generations on one stream: each runs as a task of its own, their events go out together.
 
-Router.GenerateMany carries every request a gateway sends its router, Worker.GenerateMany every
-colocated generation a router sends one worker. A per-request stream costs a message, with its
+Gateway.GenerateMany carries every request of one SDK client, Router.GenerateMany every request
+a gateway sends its router, Worker.GenerateMany every colocated generation a router sends one
+worker. A per-request stream costs a message, with its
 read and write on both sides, for every token of every request; here one message carries what
 all the generations produced since the last send: under a continuous batch, a step's tokens
 for all its requests (kvmesh/generate_many.py speaks the protocol over it).

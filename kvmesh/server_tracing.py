@@ -78,8 +78,9 @@ def _traced_unary(behavior: Callable[..., Awaitable[Any]], method: str) -> Calla
 
 @contextlib.contextmanager
 def server_span(method: str, carrier: dict[str, str]) -> Iterator[Span]:
-    """The span of one request that shares a call with others (Worker.GenerateMany: one
-    generation of its stream), named as its own call would be; run it in a task of its own.
+    """The span of one request that shares a call with others (a GenerateMany stream's
+    generation: kvmesh/generate_many.py), named as its own call would be; run it in a task of
+    its own.
     A KvmeshError that ends it sets the status its own call would have ended with."""
     span = _start_span_under(method, carrier)
     try:

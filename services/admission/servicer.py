@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 import grpc
@@ -17,7 +17,6 @@ import grpc
 from kvmesh.background import Background
 from kvmesh.errors import InvalidArgument
 from kvmesh.generate_many import serve_many
-from kvmesh.server_tracing import server_span
 from kvmesh.streams import CancelWatch, first_message
 from kvmesh.tenants import Tenant
 from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -68,23 +67,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         tenant = self._gateway.authenticate(context.invocation_metadata() or ())
         generation = functools.partial(self._many_generation, tenant)
         spawn = functools.partial(self._background.spawn, what="closing a GenerateMany stream")
-        async for events in serve_many(first, request_iterator, context, generation, spawn):
+        method = "/kvmesh.v1.Gateway/Generate"
+        many = serve_many(first, request_iterator, context, method, generation, spawn)
+        async for events in many:
             yield events
 
-    async def _many_generation(
+    def _many_generation(
         self,
         tenant: Tenant,
         message: gateway_pb2.GenerateManyClientMessage,
         cancelled: asyncio.Event,
-    ) -> AsyncIterator[common_pb2.GenerateEvent]:
-        """One request of a GenerateMany stream: Generate's, under a span of its own whose
-        parent is the client's (the message's trace context)."""
-        with server_span("/kvmesh.v1.Gateway/Generate", dict(message.trace_context)):
-            timeout_s = message.timeout_ms / 1000 if message.timeout_ms else None
-            answer = self._gateway.generate(tenant, message.request, cancelled, timeout_s)
-            async with aclosing(answer) as events:
-                async for event in events:
-                    yield event
+        timeout_s: float | None,
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        """One request of a GenerateMany stream, as Generate runs it."""
+        return self._gateway.generate(tenant, message.request, cancelled, timeout_s)
 
     async def Usage(
         self,

@@ -22,7 +22,6 @@ from kvmesh.contracts.constraints import checked_constraint
 from kvmesh.errors import InvalidArgument
 from kvmesh.generate_many import serve_many
 from kvmesh.request_limits import check_inference_request
-from kvmesh.server_tracing import server_span
 from kvmesh.streams import CancelWatch, Coalescer, first_message
 from kvmesh.telemetry import in_span, tracer
 from kvmesh.v1 import common_pb2, gateway_pb2, router_pb2, router_pb2_grpc, worker_pb2
@@ -96,24 +95,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
         first = await first_message(request_iterator, "request")
         spawn = functools.partial(self._background.spawn, what="closing a GenerateMany stream")
-        many = serve_many(first, request_iterator, context, self._many_generation, spawn)
+        method = "/kvmesh.v1.Router/Generate"
+        many = serve_many(first, request_iterator, context, method, self._many_generation, spawn)
         async for events in many:
             yield events
 
     async def _many_generation(
-        self, message: common_pb2.GenerateManyMessage, cancelled: asyncio.Event
+        self,
+        message: common_pb2.GenerateManyMessage,
+        cancelled: asyncio.Event,
+        timeout_s: float | None,
     ) -> AsyncGenerator[common_pb2.GenerateEvent]:
-        """One generation of a GenerateMany stream: Generate's, under a span of its own whose
-        parent is the caller's (the message's trace context)."""
-        with server_span("/kvmesh.v1.Router/Generate", dict(message.trace_context)):
-            _check(message.request)
-            timeout_s = message.timeout_ms / 1000 if message.timeout_ms else None
-            deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            live: set[Coalescer[common_pb2.GenerateEvent]] = set()
-            generation = self._generation(message.request, deadline, cancelled, live)
-            async with contextlib.aclosing(generation) as events:
-                async for event in events:
-                    yield event
+        """One generation of a GenerateMany stream, as Generate runs it."""
+        _check(message.request)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        live: set[Coalescer[common_pb2.GenerateEvent]] = set()
+        generation = self._generation(message.request, deadline, cancelled, live)
+        async with contextlib.aclosing(generation) as events:
+            async for event in events:
+                yield event
 
     async def _generation(
         self,

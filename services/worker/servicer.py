@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -41,7 +41,6 @@ from kvmesh.errors import (
 from kvmesh.generate_many import serve_many
 from kvmesh.mesh_auth import caller_of
 from kvmesh.mesh_keys import MeshKeys
-from kvmesh.server_tracing import server_span
 from kvmesh.streams import CancelWatch, Coalescer, first_message
 from kvmesh.telemetry import tracer
 from kvmesh.timings import request_timings
@@ -189,23 +188,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
         first = await first_message(request_iterator, "request")  # before a refusal: see Generate
         self._require(self.config.role == "colocated", "GenerateMany", "colocated")
-        many = serve_many(first, request_iterator, context, self._many_generation, self._spawn)
+        method = "/kvmesh.v1.Worker/Generate"
+        many = serve_many(
+            first, request_iterator, context, method, self._many_generation, self._spawn
+        )
         async for events in many:
             yield events
 
     async def _many_generation(
-        self, message: common_pb2.GenerateManyMessage, cancelled: asyncio.Event
-    ) -> AsyncIterator[common_pb2.GenerateEvent]:
-        """One generation of a GenerateMany stream: Generate's, under a span of its own whose
-        parent is the caller's (the message's trace context)."""
-        timeout_s = message.timeout_ms / 1000 if message.timeout_ms else None
-        with server_span("/kvmesh.v1.Worker/Generate", dict(message.trace_context)):
-            request = engine_request(message.request, timeout_s)
-            state = self._track(request)
-            async for event in self._stream(
-                "Generate", self.engine.generate(request), cancelled, state
-            ):
-                yield event
+        self,
+        message: common_pb2.GenerateManyMessage,
+        cancelled: asyncio.Event,
+        timeout_s: float | None,
+    ) -> AsyncGenerator[common_pb2.GenerateEvent]:
+        """One generation of a GenerateMany stream, as Generate runs it."""
+        request = engine_request(message.request, timeout_s)
+        state = self._track(request)
+        async for event in self._stream(
+            "Generate", self.engine.generate(request), cancelled, state
+        ):
+            yield event
 
     # ---- prefill side ---------------------------------------------------------------------
 
