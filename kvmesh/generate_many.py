@@ -1,4 +1,4 @@
-"""GenerateMany from both ends: many generations on one bidi stream, each by the caller's number.
+"""GenerateMany from the caller's side: many generations on one bidi stream, each by its number.
 
 The SDK runs a client's requests on the gateway this way (Gateway.GenerateMany), the gateway
 its requests on the router (Router.GenerateMany), the router its colocated generations on each
@@ -9,18 +9,16 @@ last send, in one GenerateManyEvents message (kvmesh/generation_mux.py runs them
 a continuous batch one message carries a step's tokens for all its requests instead of one
 message each.
 
-`serve_many` is a servicer's side, `GenerateManyCall` and `Generation` the caller's.
+`GenerateManyCall` and `Generation` are the caller's side (the SDK's too: nothing here is a
+server's); kvmesh/serve_many.py is a servicer's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import itertools
-import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -28,107 +26,12 @@ from google.rpc import status_pb2
 from opentelemetry import propagate
 
 from kvmesh.client_streams import open_stream
-from kvmesh.errors import DeadlineExceeded, InvalidArgument, KvmeshError, Unavailable
-from kvmesh.generation_mux import GenerationMux
-from kvmesh.rpc_status import error_from_rpc, error_from_status, to_status_proto
-from kvmesh.server_tracing import server_span
+from kvmesh.errors import DeadlineExceeded, KvmeshError, Unavailable
+from kvmesh.rpc_status import error_from_rpc, error_from_status
 from kvmesh.v1 import common_pb2, gateway_pb2
-
-log = logging.getLogger(__name__)
 
 Message = TypeVar("Message", common_pb2.GenerateManyMessage, gateway_pb2.GenerateManyClientMessage)
 """A GenerateMany message: the gateway's from clients, or the one below the gateway."""
-
-OpenGeneration = Callable[
-    [Message, asyncio.Event, float | None], AsyncGenerator[common_pb2.GenerateEvent]
-]
-"""Opens one generation of the stream: its request message, the event its Cancel sets, and
-the seconds it may take (None: no deadline)."""
-
-
-async def serve_many(
-    first: Message,
-    messages: AsyncIterator[Message],
-    context: grpc.aio.ServicerContext,
-    method: str,
-    generation: OpenGeneration[Message],
-    spawn: Callable[[Coroutine[Any, Any, None]], object],
-) -> AsyncIterator[common_pb2.GenerateManyEvents]:
-    """A GenerateMany call's answer: opens and cancels its generations as their messages
-    arrive, sends what they produced as it is ready, and ends once the caller has half-closed
-    and every generation has ended. Each generation runs under a server span named `method`,
-    as its own call's would be. Leaving it early cancels every generation still running, and
-    so does the end of the RPC (gRPC may drop a handler whose caller went away without
-    resuming it): `spawn` runs that in the background."""
-    mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
-    context.add_done_callback(lambda _: spawn(mux.close()))
-    opened = functools.partial(_spanned, method, generation)
-    reader = asyncio.create_task(_read(first, messages, mux, opened))
-    try:
-        async for batch in mux.batches():
-            yield common_pb2.GenerateManyEvents(
-                events=[_generation_event(stream_id, item) for stream_id, item in batch]
-            )
-        await reader  # its failure (a message that could not be decoded) ends the call
-    finally:
-        reader.cancel()
-        await mux.close()
-
-
-Opened = Callable[[Message, asyncio.Event], AsyncIterator[common_pb2.GenerateEvent]]
-"""A generation opened under its span: its request message and the event its Cancel sets."""
-
-
-async def _read(
-    first: Message,
-    messages: AsyncIterator[Message],
-    mux: GenerationMux[common_pb2.GenerateEvent],
-    generation: Opened[Message],
-) -> None:
-    try:
-        _dispatch(first, mux, generation)
-        async for message in messages:
-            _dispatch(message, mux, generation)
-    finally:
-        mux.no_more()
-
-
-def _dispatch(
-    message: Message,
-    mux: GenerationMux[common_pb2.GenerateEvent],
-    generation: Opened[Message],
-) -> None:
-    kind = message.WhichOneof("message")
-    if kind == "request":
-        mux.open(message.stream_id, functools.partial(generation, message))
-    elif kind == "cancel":
-        reason = message.cancel.reason or "no reason given"
-        log.info("generation %d cancelled by the caller: %s", message.stream_id, reason)
-        mux.cancel(message.stream_id)
-    else:
-        mux.fail(message.stream_id, InvalidArgument("message", "needs a request or a cancel"))
-
-
-async def _spanned(
-    method: str, generation: OpenGeneration[Message], message: Message, cancelled: asyncio.Event
-) -> AsyncIterator[common_pb2.GenerateEvent]:
-    """A generation under a span of its own whose parent is the caller's (the message's trace
-    context), given the message's timeout in seconds."""
-    timeout_s = message.timeout_ms / 1000 if message.timeout_ms else None
-    with server_span(method, dict(message.trace_context)):
-        async with contextlib.aclosing(generation(message, cancelled, timeout_s)) as events:
-            async for event in events:
-                yield event
-
-
-def _generation_event(
-    stream_id: int, item: common_pb2.GenerateEvent | KvmeshError
-) -> common_pb2.GenerationEvent:
-    if isinstance(item, KvmeshError):
-        error = to_status_proto(item).SerializeToString()
-        return common_pb2.GenerationEvent(stream_id=stream_id, error=error)
-    return common_pb2.GenerationEvent(stream_id=stream_id, event=item)
-
 
 Item = common_pb2.GenerateEvent | KvmeshError | None
 """What reaches a generation: its next event, the error that ended it, or None: cut."""

@@ -16,7 +16,7 @@ import grpc
 
 from kvmesh.background import Background
 from kvmesh.errors import InvalidArgument
-from kvmesh.generate_many import serve_many
+from kvmesh.serve_many import serve_many
 from kvmesh.streams import CancelWatch, first_message
 from kvmesh.tenants import Tenant
 from kvmesh.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc

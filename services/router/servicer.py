@@ -20,8 +20,8 @@ import grpc
 from kvmesh.background import Background
 from kvmesh.contracts.constraints import checked_constraint
 from kvmesh.errors import InvalidArgument
-from kvmesh.generate_many import serve_many
 from kvmesh.request_limits import check_inference_request
+from kvmesh.serve_many import serve_many
 from kvmesh.streams import CancelWatch, Coalescer, first_message
 from kvmesh.telemetry import in_span, tracer
 from kvmesh.v1 import common_pb2, gateway_pb2, router_pb2, router_pb2_grpc, worker_pb2

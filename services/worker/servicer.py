@@ -38,9 +38,9 @@ from kvmesh.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
-from kvmesh.generate_many import serve_many
 from kvmesh.mesh_auth import caller_of
 from kvmesh.mesh_keys import MeshKeys
+from kvmesh.serve_many import serve_many
 from kvmesh.streams import CancelWatch, Coalescer, first_message
 from kvmesh.telemetry import tracer
 from kvmesh.timings import request_timings
