@@ -5,8 +5,9 @@
         [--model smollm2-135m|qwen2-random]
 
 Not a test. One run of this script measures every system on the same machine, one system at a
-time, on the same weights (the default model written once as a Hugging Face folder by kvmesh's
-own loader, fp32) and the same prompt token ids:
+time (the servers stay up together and take turns on each row), on the same weights (the
+default model written once as a Hugging Face folder by kvmesh's own loader, fp32) and the same
+prompt token ids:
 
   offline   64 requests, prompts 64-512 tokens, 128 out, EOS ignored: kvmesh's LLM.generate,
             vLLM's LLM.generate, transformers' generate() in static batches of 8
@@ -23,10 +24,13 @@ vLLM is started the way its CPU documentation recommends: compiled (inductor, it
 VLLM_CPU_OMP_THREADS_BIND over every core, VLLM_CPU_KVCACHE_SPACE sized for the workload,
 tcmalloc preloaded where the system has it (vLLM preloads torch's OpenMP itself). Each system
 gets one warm-up, then each row runs twice on fresh prompts (a rerun on the same prompts would
-be served from the prefix cache). Greedy outputs are compared token by token across systems.
-Every timed region records the load average and the CPU that other processes used meanwhile;
-a region disturbed by them is run again and both are kept. Writes the "Peers" section of
-BENCHMARKS.md and bench/results/peers.json + peers.png.
+be served from the prefix cache). Each run of a server row goes to every server in turn, in
+the opposite order on the second run, so that minutes in which the host runs this guest
+slower (which nothing inside the guest shows) weigh on every system alike; an idle vLLM
+server used under 0.01 cores, counted with the other processes. Greedy outputs are compared
+token by token across systems. Every timed region records the load average and the CPU that
+other processes used meanwhile; a region disturbed by them is run again and both are kept.
+Writes the "Peers" section of BENCHMARKS.md and bench/results/peers.json + peers.png.
 
 --model qwen2-random runs the same rows on a second family: a Qwen2 checkpoint (Q/K/V bias) of
 SmolLM2-135M's shapes and tokenizer with random weights (seed 0), written once as a folder;
@@ -60,7 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -86,9 +90,12 @@ STACKS: dict[str, tuple[Mode, str]] = {
 VLLM_SERVER_BATCH_ARGS = ("--max-num-batched-tokens=2048", "--max-num-seqs=128")
 # --model: the default model, or a Qwen2 checkpoint of its shapes with random weights.
 MODELS = (MODEL, "qwen2-random")
-# Far from `kvmesh up`'s default ports and from bench.mesh's offset.
+# Far from `kvmesh up`'s default ports and from bench.mesh's offset; each further kvmesh
+# stack 100 ports on.
 PORT_OFFSET = 1700
 VLLM_PORT = 18851
+# The rows run on servers, in the order each run takes them.
+SERVER_ROWS = ("serving", "single", "prefix")
 # Another process using more than this many cores during a timed region disturbs it.
 DISTURBED_CORES = 0.25
 TCMALLOC = (
@@ -194,6 +201,11 @@ def _cpu_ticks() -> dict[int, tuple[int, int]]:
     return ticks
 
 
+def _children() -> set[int]:
+    """The processes this one started and that still run."""
+    return {pid for pid, (parent, _) in _cpu_ticks().items() if parent == os.getpid()}
+
+
 def _steal_ticks() -> int:
     """Ticks stolen from this machine's CPUs so far (the `cpu` line of /proc/stat)."""
     try:
@@ -202,12 +214,13 @@ def _steal_ticks() -> int:
         return 0
 
 
-def _ours(ticks: dict[int, tuple[int, int]]) -> set[int]:
-    """This process and its descendants (the systems under test)."""
+def _ours(ticks: dict[int, tuple[int, int]], roots: Collection[int] = ()) -> set[int]:
+    """The system under test: this process and the descendants of `roots` (by default its
+    own descendants), the roots included."""
     children: dict[int, list[int]] = {}
     for pid, (parent, _) in ticks.items():
         children.setdefault(parent, []).append(pid)
-    ours, stack = set(), [os.getpid()]
+    ours, stack = {os.getpid()}, list(roots) or [os.getpid()]
     while stack:
         pid = stack.pop()
         ours.add(pid)
@@ -244,14 +257,17 @@ def is_disturbed(region: dict[str, Any]) -> bool:
 
 
 @contextlib.contextmanager
-def timed_region() -> Iterator[Region]:
+def timed_region(roots: Collection[int] = ()) -> Iterator[Region]:
+    """roots: the processes of the system under test (a server's), whose descendants are
+    its too; the others, idle servers of other systems included, are other processes. By
+    default every descendant of this process is the system's."""
     region = Region(load_start=os.getloadavg()[0])
     before, steal_before = _cpu_ticks(), _steal_ticks()
     started = time.perf_counter()
     yield region
     region.seconds = time.perf_counter() - started
     after, steal_after = _cpu_ticks(), _steal_ticks()
-    ours = _ours(after) | _ours(before)
+    ours = _ours(after, roots) | _ours(before, roots)
     others = sum(
         ticks - before.get(pid, (0, 0))[1]
         for pid, (_, ticks) in after.items()
@@ -535,15 +551,18 @@ class Server(Protocol):
     """A running server the rows stream requests to."""
 
     name: str
+    roots: tuple[int, ...]
+    """Its processes (their descendants are its too), for the timed regions."""
 
     async def request(self, prompt: list[int], max_tokens: int) -> Request: ...
 
 
 class KvmeshServer:
-    def __init__(self, name: str, gateway: str) -> None:
+    def __init__(self, name: str, gateway: str, roots: tuple[int, ...]) -> None:
         from kvmesh.client import Client
 
         self.name = name
+        self.roots = roots
         self._client = Client(gateway)
 
     async def request(self, prompt: list[int], max_tokens: int) -> Request:
@@ -567,10 +586,11 @@ class KvmeshServer:
 
 
 class VllmServer:
-    def __init__(self, url: str, model: str) -> None:
+    def __init__(self, url: str, model: str, roots: tuple[int, ...]) -> None:
         import aiohttp
 
         self.name = "vllm"
+        self.roots = roots
         self._url = url
         self._model = model
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
@@ -609,7 +629,7 @@ class VllmServer:
 
 @contextlib.asynccontextmanager
 async def kvmesh_server(
-    model_dir: Path, system: str, device: str, dtype: str
+    model_dir: Path, system: str, device: str, dtype: str, port_offset: int = PORT_OFFSET
 ) -> AsyncIterator[KvmeshServer]:
     from bench.mesh import running_stack
 
@@ -618,9 +638,10 @@ async def kvmesh_server(
     on_vllm = engine == "vllm"
     # vLLM's engine gets what its own server gets: the same environment and batch limits.
     env = vllm_environment(device) if on_vllm else {}
+    children_before = _children()
     async with running_stack(
         stack_args,
-        port_offset=PORT_OFFSET,
+        port_offset=port_offset,
         mode=mode,
         engine=engine,
         worker_args=(
@@ -631,7 +652,7 @@ async def kvmesh_server(
         env=env,
     ) as services:
         gateway = next(s for s in services if s.name == "gateway").address
-        server = KvmeshServer(system, gateway)
+        server = KvmeshServer(system, gateway, tuple(_children() - children_before))
         try:
             yield server
         finally:
@@ -681,7 +702,7 @@ async def vllm_server(model_dir: Path, device: str, dtype: str) -> AsyncIterator
                         if response.status == 200:
                             break
                 await asyncio.sleep(1.0)
-        server = VllmServer(url, MODEL)
+        server = VllmServer(url, MODEL, (process.pid,))
         try:
             yield server
         finally:
@@ -700,7 +721,7 @@ async def vllm_server(model_dir: Path, device: str, dtype: str) -> AsyncIterator
 
 
 async def serving_row(server: Server, prompts: list[list[int]], output: int) -> dict[str, Any]:
-    with timed_region() as region:
+    with timed_region(server.roots) as region:
         started = time.perf_counter()
         done = await asyncio.gather(*(server.request(p, output) for p in prompts))
         duration = time.perf_counter() - started
@@ -730,7 +751,7 @@ async def serving_row(server: Server, prompts: list[list[int]], output: int) -> 
 
 
 async def single_row(server: Server, prompts: list[list[int]], output: int) -> dict[str, Any]:
-    with timed_region() as region:
+    with timed_region(server.roots) as region:
         done = [await server.request(p, output) for p in prompts]
     return {
         "region": asdict(region),
@@ -742,7 +763,7 @@ async def single_row(server: Server, prompts: list[list[int]], output: int) -> d
 
 async def prefix_row(server: Server, prompts: list[list[int]]) -> dict[str, Any]:
     """prompts[0] meets a cold prefix; the rest share it with new suffixes."""
-    with timed_region() as region:
+    with timed_region(server.roots) as region:
         cold = await server.request(prompts[0], 1)
         warm = [await server.request(p, 1) for p in prompts[1:]]
     return {
@@ -754,24 +775,43 @@ async def prefix_row(server: Server, prompts: list[list[int]]) -> dict[str, Any]
 
 
 async def server_rows(
-    server: Server, rows: list[str], work: Workload, prompt_sets: list[dict[str, Any]]
-) -> dict[str, list[dict[str, Any]]]:
-    """The warm-up (prompt set 0), then every row on each run's prompt set; a run disturbed
-    by other processes is run again on its spare set (fresh prompts: the same ones would be
-    served from the prefix cache) and both are kept, the repeat marked."""
-    await serving_row(server, prompt_sets[0]["serving"][:4], 4)
-    results: dict[str, list[dict[str, Any]]] = {row: [] for row in rows}
-    for run_index in range(work.runs):
-        for row in rows:
-            result = await _server_row(server, row, work, prompt_sets[1 + run_index])
-            results[row].append(result)
-            if is_disturbed(result["region"]):
-                again = await _server_row(
-                    server, row, work, spare_set(prompt_sets, work, run_index)
-                )
-                again["repeat_of_disturbed"] = run_index
-                results[row].append(again)
+    servers: list[Server],
+    rows: dict[str, list[str]],
+    work: Workload,
+    prompt_sets: list[dict[str, Any]],
+) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Each server's warm-up (prompt set 0), then each run: every row on the run's prompt
+    set, the servers (all up, the others idle) taking turns on each row, in the opposite
+    order on every other run. A host that runs this guest slower for minutes, which nothing
+    inside the guest shows, then slows every system's runs of a row alike instead of whichever
+    system's rows fell into those minutes. A run disturbed by other processes is run again on
+    its spare set (fresh prompts: the same ones would be served from the prefix cache) and
+    both are kept, the repeat marked. rows: each server's (by name)."""
+    for server in servers:
+        await serving_row(server, prompt_sets[0]["serving"][:4], 4)
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {
+        server.name: {row: [] for row in rows[server.name]} for server in servers
+    }
+    for run_index, row, server in turns(servers, rows, work.runs):
+        result = await _server_row(server, row, work, prompt_sets[1 + run_index])
+        results[server.name][row].append(result)
+        if is_disturbed(result["region"]):
+            again = await _server_row(server, row, work, spare_set(prompt_sets, work, run_index))
+            again["repeat_of_disturbed"] = run_index
+            results[server.name][row].append(again)
     return results
+
+
+def turns(
+    servers: list[Server], rows: dict[str, list[str]], runs: int
+) -> Iterator[tuple[int, str, Server]]:
+    """(run, row, server) in the order server_rows runs them."""
+    for run_index in range(runs):
+        order = servers if run_index % 2 == 0 else servers[::-1]
+        for row in SERVER_ROWS:
+            for server in order:
+                if row in rows[server.name]:
+                    yield run_index, row, server
 
 
 def spare_set(prompt_sets: list[dict[str, Any]], work: Workload, run_index: int) -> dict[str, Any]:
@@ -909,7 +949,7 @@ async def run(args: argparse.Namespace, console: Console) -> Report:
         prompt_sets = [
             prompts_for(work, config.vocab_size, seed) for seed in range(2 * work.runs + 1)
         ]
-        server_rows_wanted = [row for row in ("serving", "single", "prefix") if row in args.rows]
+        server_rows_wanted = [row for row in SERVER_ROWS if row in args.rows]
         phases = _phases(args, server_rows_wanted)
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
         with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
@@ -934,17 +974,14 @@ def _phases(args: argparse.Namespace, server_row_names: list[str]) -> list[tuple
             if system != "vllm" or with_vllm:
                 phases.append((f"offline, {system}", _offline_phase(system)))
     if server_row_names:
-        phases.append(
-            ("kvmesh colocated server", _server_phase("kvmesh colocated", server_row_names))
-        )
+        systems = {"kvmesh colocated": server_row_names}
         if with_vllm:
-            phases.append(("vllm server", _server_phase("vllm", server_row_names)))
+            systems["vllm"] = server_row_names
         if "serving" in server_row_names and not args.skip_disaggregated:
-            phases.append(
-                ("kvmesh disaggregated server", _server_phase("kvmesh disaggregated", ["serving"]))
-            )
+            systems["kvmesh disaggregated"] = ["serving"]
         if "serving" in server_row_names and with_vllm and not args.skip_kvmesh_vllm:
-            phases.append((f"{KVMESH_ON_VLLM} server", _server_phase(KVMESH_ON_VLLM, ["serving"])))
+            systems[KVMESH_ON_VLLM] = ["serving"]
+        phases.append(("servers, taking turns", _servers_phase(systems)))
     # Its peak and floor are the CPU's in float32.
     if "steps" in args.rows and args.device == "cpu" and args.dtype == "float32":
         phases.append(("kvmesh steps vs the machine", _steps_phase))
@@ -989,18 +1026,25 @@ def _offline_phase(system: str) -> Phase:
     return phase
 
 
-def _server_phase(system: str, rows: list[str]) -> Phase:
+def _servers_phase(systems: dict[str, list[str]]) -> Phase:
+    """Every system's server started, then their rows (systems: each one's) in turns."""
+
     async def phase(
         report: Report, model_dir: Path, work: Workload, sets: list[dict[str, Any]]
     ) -> None:
-        context: contextlib.AbstractAsyncContextManager[Server] = (
-            vllm_server(model_dir, report.device, report.dtype)
-            if system == "vllm"
-            else kvmesh_server(model_dir, system, report.device, report.dtype)
-        )
-        async with context as server:
-            results = await server_rows(server, rows, work, sets)
-        report.servers[system] = results
+        async with contextlib.AsyncExitStack() as running:
+            servers: list[Server] = []
+            for index, system in enumerate(systems):
+                # Each kvmesh stack on ports of its own.
+                context: contextlib.AbstractAsyncContextManager[Server] = (
+                    vllm_server(model_dir, report.device, report.dtype)
+                    if system == "vllm"
+                    else kvmesh_server(
+                        model_dir, system, report.device, report.dtype, PORT_OFFSET + 100 * index
+                    )
+                )
+                servers.append(await running.enter_async_context(context))
+            report.servers = await server_rows(servers, systems, work, sets)
 
     return phase
 
@@ -1278,7 +1322,9 @@ def markdown(report: Report, command: str) -> str:
         f"the end. {_vllm_setup(report)}; kvmesh with its defaults{_but_dtype(report)} "
         "(`kvmesh up --mode colocated` for the server rows). One warm-up each, then "
         f"{report.workload['runs']} "
-        "run(s) per row on fresh prompts; each figure is the better undisturbed run. Results: "
+        "run(s) per row on fresh prompts, the servers up together and taking turns on each "
+        "row (in the opposite order on every other run); each figure is the better undisturbed "
+        "run. Results: "
         f"`bench/results/{name}.json`, `bench/results/{name}.png`.",
         "",
         f"| workload | kvmesh | {_peer_name(report)} | kvmesh / vLLM |",

@@ -1,11 +1,21 @@
-"""bench.peers' arithmetic against the machine: the work of a step and the serving row's floor."""
+"""bench.peers' arithmetic against the machine (the work of a step and the serving row's floor),
+the order in which the servers take turns, and whose processes a timed region counts."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import os
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from bench.peers import Report, Shapes, serving_prefill_floor_lines, step_flops
+from bench.peers import (
+    Report,
+    Request,
+    Shapes,
+    _ours,
+    serving_prefill_floor_lines,
+    step_flops,
+    turns,
+)
 
 SHAPES = Shapes(layer_params=10, num_layers=2, heads_dim=4, lm_head=100)
 QUIET = {"other_cores": 0.0}
@@ -51,3 +61,41 @@ def test_no_floor_without_vllm_serving_or_the_model_shapes() -> None:
     assert (
         serving_prefill_floor_lines(Report(workload=workload, servers={"vllm": _serving(3)})) == []
     )
+
+
+@dataclass(slots=True)
+class _Idle:
+    """What turns() reads of a server: its name."""
+
+    name: str
+    roots: tuple[int, ...] = ()
+
+    async def request(self, prompt: list[int], max_tokens: int) -> Request:
+        raise AssertionError("turns() sends no request")
+
+
+def test_the_servers_take_turns_on_each_row_in_the_opposite_order_on_the_second_run() -> None:
+    kvmesh, vllm, split = _Idle("kvmesh"), _Idle("vllm"), _Idle("split")
+    rows = {"kvmesh": ["serving", "single"], "vllm": ["serving", "single"], "split": ["serving"]}
+    order = [(run, row, server.name) for run, row, server in turns([kvmesh, vllm, split], rows, 2)]
+    assert order == [
+        (0, "serving", "kvmesh"),
+        (0, "serving", "vllm"),
+        (0, "serving", "split"),
+        (0, "single", "kvmesh"),
+        (0, "single", "vllm"),
+        (1, "serving", "split"),
+        (1, "serving", "vllm"),
+        (1, "serving", "kvmesh"),
+        (1, "single", "vllm"),
+        (1, "single", "kvmesh"),
+    ]
+
+
+def test_a_region_counts_the_roots_descendants_and_this_process_as_the_system() -> None:
+    me = os.getpid()
+    # pid -> (parent, ticks): two servers started by this process, each with a child.
+    ticks = {me: (1, 0), 10: (me, 0), 11: (10, 0), 20: (me, 0), 21: (20, 0), 30: (1, 0)}
+    assert _ours(ticks, (20,)) == {me, 20, 21}
+    # Without roots, everything this process started is the system's (the offline children).
+    assert _ours(ticks) == {me, 10, 11, 20, 21}
