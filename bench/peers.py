@@ -26,11 +26,13 @@ tcmalloc preloaded where the system has it (vLLM preloads torch's OpenMP itself)
 gets one warm-up, then each row runs twice on fresh prompts (a rerun on the same prompts would
 be served from the prefix cache). Each run of a server row goes to every server in turn, in
 the opposite order on the second run, so that minutes in which the host runs this guest
-slower (which nothing inside the guest shows) weigh on every system alike; an idle vLLM
-server used under 0.01 cores, counted with the other processes. Greedy outputs are compared
-token by token across systems. Every timed region records the load average and the CPU that
-other processes used meanwhile; a region disturbed by them is run again and both are kept.
-Writes the "Peers" section of BENCHMARKS.md and bench/results/peers.json + peers.png.
+slower (which nothing inside the guest shows) weigh on every system alike. Each run of a row
+waits for the machine to settle first (a vLLM worker that just served polls at 0.09 cores for
+a while; idle servers then use under 0.01 cores each, counted with the other processes).
+Greedy outputs are compared token by token across systems. Every timed region records the
+load average and the CPU that other processes used meanwhile; a region disturbed by them is
+run again and both are kept. Writes the "Peers" section of BENCHMARKS.md and
+bench/results/peers.json + peers.png.
 
 --model qwen2-random runs the same rows on a second family: a Qwen2 checkpoint (Q/K/V bias) of
 SmolLM2-135M's shapes and tokenizer with random weights (seed 0), written once as a folder;
@@ -98,6 +100,13 @@ VLLM_PORT = 18851
 SERVER_ROWS = ("serving", "single", "prefix")
 # Another process using more than this many cores during a timed region disturbs it.
 DISTURBED_CORES = 0.25
+# Before each server row the machine settles: every process together under SETTLED_CORES over
+# SETTLE_WINDOW_S, waited for at most SETTLE_MOST_S. A vLLM worker that just served polls for
+# its next step harder for a while: an idle one took 0.09 cores through the next system's
+# serving row (0.006 once settled), that system's run slower by that much.
+SETTLED_CORES = 0.05
+SETTLE_WINDOW_S = 0.5
+SETTLE_MOST_S = 20.0
 TCMALLOC = (
     "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
     "/usr/lib64/libtcmalloc_minimal.so.4",
@@ -208,10 +217,35 @@ def _children() -> set[int]:
 
 def _steal_ticks() -> int:
     """Ticks stolen from this machine's CPUs so far (the `cpu` line of /proc/stat)."""
+    return _machine_ticks()[8]
+
+
+def _busy_ticks() -> int:
+    """Ticks this machine's CPUs ran any process so far (user, nice, system, irq, softirq)."""
+    ticks = _machine_ticks()
+    return sum(ticks[index] for index in (1, 2, 3, 6, 7))
+
+
+def _machine_ticks() -> list[int]:
+    """The `cpu` line of /proc/stat as numbers after its name at [1:] (zeros if unread)."""
     try:
-        return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8])
-    except (OSError, IndexError, ValueError):
-        return 0
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return [0, *(int(field) for field in fields[1:])]
+    except (OSError, ValueError):
+        return [0] * 11
+
+
+async def settled() -> float:
+    """Waits until every process together uses under SETTLED_CORES over a window (at most
+    SETTLE_MOST_S); the seconds waited."""
+    started = time.perf_counter()
+    per_second = os.sysconf("SC_CLK_TCK") * SETTLE_WINDOW_S
+    while time.perf_counter() - started < SETTLE_MOST_S:
+        before = _busy_ticks()
+        await asyncio.sleep(SETTLE_WINDOW_S)
+        if (_busy_ticks() - before) / per_second < SETTLED_CORES:
+            break
+    return time.perf_counter() - started
 
 
 def _ours(ticks: dict[int, tuple[int, int]], roots: Collection[int] = ()) -> set[int]:
@@ -822,13 +856,17 @@ def spare_set(prompt_sets: list[dict[str, Any]], work: Workload, run_index: int)
 async def _server_row(
     server: Server, row: str, work: Workload, prompts: dict[str, Any]
 ) -> dict[str, Any]:
+    """One run of a row, once the machine settled (the seconds that took: "settle_s")."""
+    settle_s = await settled()
     if row == "serving":
-        return await serving_row(server, prompts["serving"], work.serving_output)
-    if row == "single":
-        return await single_row(server, prompts["single"], work.single_output)
-    if row == "prefix":
-        return await prefix_row(server, prompts["prefix"])
-    raise ValueError(f"unknown server row {row!r}")
+        result = await serving_row(server, prompts["serving"], work.serving_output)
+    elif row == "single":
+        result = await single_row(server, prompts["single"], work.single_output)
+    elif row == "prefix":
+        result = await prefix_row(server, prompts["prefix"])
+    else:
+        raise ValueError(f"unknown server row {row!r}")
+    return result | {"settle_s": settle_s}
 
 
 # ---- the whole run -------------------------------------------------------------------------
@@ -1323,8 +1361,8 @@ def markdown(report: Report, command: str) -> str:
         "(`kvmesh up --mode colocated` for the server rows). One warm-up each, then "
         f"{report.workload['runs']} "
         "run(s) per row on fresh prompts, the servers up together and taking turns on each "
-        "row (in the opposite order on every other run); each figure is the better undisturbed "
-        "run. Results: "
+        "row (in the opposite order on every other run), each run once the machine settled; each "
+        "figure is the better undisturbed run. Results: "
         f"`bench/results/{name}.json`, `bench/results/{name}.png`.",
         "",
         f"| workload | kvmesh | {_peer_name(report)} | kvmesh / vLLM |",

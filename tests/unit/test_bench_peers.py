@@ -3,16 +3,21 @@ the order in which the servers take turns, and whose processes a timed region co
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import pytest
+
+import bench.peers
 from bench.peers import (
     Report,
     Request,
     Shapes,
     _ours,
     serving_prefill_floor_lines,
+    settled,
     step_flops,
     turns,
 )
@@ -99,3 +104,32 @@ def test_a_region_counts_the_roots_descendants_and_this_process_as_the_system() 
     assert _ours(ticks, (20,)) == {me, 20, 21}
     # Without roots, everything this process started is the system's (the offline children).
     assert _ours(ticks) == {me, 10, 11, 20, 21}
+
+
+def _machine_running(cores: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    """_busy_ticks as a machine whose processes use cores[i] in window i (the last one on)."""
+    per_window = os.sysconf("SC_CLK_TCK") * bench.peers.SETTLE_WINDOW_S
+    ticks, readings = 0.0, 0
+
+    def busy_ticks() -> float:
+        nonlocal ticks, readings
+        # Two readings a window: before its sleep and after.
+        if readings % 2 == 1:
+            ticks += cores[min(readings // 2, len(cores) - 1)] * per_window
+        readings += 1
+        return ticks
+
+    monkeypatch.setattr(bench.peers, "_busy_ticks", busy_ticks)
+
+
+def test_a_row_waits_for_the_machine_to_settle_and_no_longer_than_the_most(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(bench.peers, "SETTLE_WINDOW_S", 0.01)
+    # A vLLM worker polling at 0.09 cores for two windows, then the machine quiet.
+    _machine_running([0.09, 0.09, 0.01], monkeypatch)
+    assert 0.03 <= asyncio.run(settled()) < 0.03 + 0.5
+    # A machine that never settles: the row runs after SETTLE_MOST_S anyway.
+    monkeypatch.setattr(bench.peers, "SETTLE_MOST_S", 0.1)
+    _machine_running([0.5], monkeypatch)
+    assert 0.1 <= asyncio.run(settled()) < 0.1 + 0.5
