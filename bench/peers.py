@@ -28,10 +28,10 @@ be served from the prefix cache). Each run of a server row goes to every server 
 the opposite order on the second run, so that minutes in which the host runs this guest
 slower (which nothing inside the guest shows) weigh on every system alike. Each run of a row
 waits for the machine to settle first (a vLLM worker that just served polls at 0.09 cores for
-a while; idle servers then use under 0.01 cores each, counted with the other processes).
-Greedy outputs are compared token by token across systems. Every timed region records the
-load average and the CPU that other processes used meanwhile; a region disturbed by them is
-run again and both are kept. Writes the "Peers" section of BENCHMARKS.md and
+a while; the idle servers' processes then use under 0.01 cores each, counted with the other
+processes). Greedy outputs are compared token by token across systems. Every timed region
+records the load average and the CPU that other processes used meanwhile; a region disturbed
+by them is run again and both are kept. Writes the "Peers" section of BENCHMARKS.md and
 bench/results/peers.json + peers.png.
 
 --model qwen2-random runs the same rows on a second family: a Qwen2 checkpoint (Q/K/V bias) of
