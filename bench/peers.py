@@ -24,9 +24,10 @@ vLLM is started the way its CPU documentation recommends: compiled (inductor, it
 VLLM_CPU_OMP_THREADS_BIND over every core, VLLM_CPU_KVCACHE_SPACE sized for the workload,
 tcmalloc preloaded where the system has it (vLLM preloads torch's OpenMP itself). Each system
 gets one warm-up, then each row runs twice on fresh prompts (a rerun on the same prompts would
-be served from the prefix cache). Each run of a server row goes to every server in turn, in
-the opposite order on the second run, so that minutes in which the host runs this guest
-slower (which nothing inside the guest shows) weigh on every system alike. Each run of a row
+be served from the prefix cache). Each run of a row goes to every system in turn, in the
+opposite order on the second run (offline: a child process with its own warm-up for each run
+of each library), so that minutes in which the host runs this guest slower (which nothing
+inside the guest shows) weigh on every system alike. Each run of a row
 waits for the machine to settle first (a vLLM worker that just served polls at 0.09 cores for
 a while; the idle servers' processes then use under 0.01 cores each, counted with the other
 processes). Greedy outputs are compared token by token across systems. Every timed region
@@ -335,26 +336,18 @@ def _process_name(pid: int) -> str:
 
 
 def offline_child(system: str, model_dir: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Runs in the child: warm-up, then each run's prompts; outputs and timed regions."""
+    """Runs in the child: warm-up, then one run's prompts (its spare too when disturbed);
+    outputs and timed regions."""
     work = Workload(**spec["workload"])
     generate = _offline_generator(system, model_dir, work, spec["device"], spec["dtype"])
     generate(spec["warmup"])
-    runs: list[dict[str, Any]] = []
-    for index, (prompts, spare) in enumerate(zip(spec["runs"], spec["spares"], strict=True)):
+    with timed_region() as region:
+        outputs = generate(spec["prompts"])
+    runs = [{"region": asdict(region), "outputs": outputs, "spare": False}]
+    if region.disturbed:
         with timed_region() as region:
-            outputs = generate(prompts)
-        runs.append({"region": asdict(region), "outputs": outputs, "prompts": ["runs", index]})
-        if region.disturbed:
-            with timed_region() as region:
-                outputs = generate(spare)
-            runs.append(
-                {
-                    "region": asdict(region),
-                    "outputs": outputs,
-                    "prompts": ["spares", index],
-                    "repeat_of_disturbed": index,
-                }
-            )
+            outputs = generate(spec["spare"])
+        runs.append({"region": asdict(region), "outputs": outputs, "spare": True})
     return {"runs": runs}
 
 
@@ -1007,10 +1000,9 @@ Phase = Callable[[Report, Path, Workload, list[dict[str, Any]]], Any]
 def _phases(args: argparse.Namespace, server_row_names: list[str]) -> list[tuple[str, Phase]]:
     phases: list[tuple[str, Phase]] = []
     with_vllm = not args.skip_vllm
-    if "offline" in args.rows:
-        for system in args.offline_systems:
-            if system != "vllm" or with_vllm:
-                phases.append((f"offline, {system}", _offline_phase(system)))
+    offline_systems = [s for s in args.offline_systems if s != "vllm" or with_vllm]
+    if "offline" in args.rows and offline_systems:
+        phases.append(("offline, taking turns", _offline_phase(offline_systems)))
     if server_row_names:
         systems = {"kvmesh colocated": server_row_names}
         if with_vllm:
@@ -1026,42 +1018,72 @@ def _phases(args: argparse.Namespace, server_row_names: list[str]) -> list[tuple
     return phases
 
 
-def _offline_phase(system: str) -> Phase:
+def offline_turns(systems: list[str], runs: int) -> Iterator[tuple[int, str]]:
+    """(run, system) in the order the offline row runs them: every system in turn on each run,
+    in the opposite order on every other run (transformers, minutes a run, on the first only)."""
+    for run_index in range(runs):
+        order = systems if run_index % 2 == 0 else systems[::-1]
+        for system in order:
+            if system != "transformers" or run_index == 0:
+                yield run_index, system
+
+
+def _offline_phase(systems: list[str]) -> Phase:
+    """Each run of each system in a child process of its own (its own warm-up), the systems
+    taking turns as the servers do: a host that runs this guest slower for minutes slows
+    every system's runs alike instead of whichever system's children fell into them."""
+
     async def phase(
         report: Report, model_dir: Path, work: Workload, sets: list[dict[str, Any]]
     ) -> None:
-        # transformers takes minutes a run: it runs the first set only.
-        runs = 1 if system == "transformers" else work.runs
-        spec = {
-            "device": report.device,
-            "dtype": report.dtype,
-            "workload": asdict(work),
-            "warmup": sets[0]["offline"][:8],
-            "runs": [s["offline"] for s in sets[1 : 1 + runs]],
-            "spares": [spare_set(sets, work, i)["offline"] for i in range(runs)],
-        }
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
-            json.dump(spec, file)
-        env = vllm_environment(report.device) if system == "vllm" else {}
-        try:
-            result = await asyncio.to_thread(
-                run_child, sys.executable, "offline", [system, str(model_dir), file.name], env
-            )
-        finally:
-            Path(file.name).unlink(missing_ok=True)
         shapes = model_shapes(config_of(model_dir))
-        done = result["runs"]
-        for entry in done:
-            kind, index = entry["prompts"]
-            prompts = spec[kind][index]
-            seconds = entry["region"]["seconds"]
-            entry["tok_s"] = sum(len(o) for o in entry["outputs"]) / seconds
-            entry["model_flops_per_s"] = (
-                offline_flops(shapes, prompts, work.offline_output) / seconds
-            )
-        report.offline[system] = done
+        for run_index, system in offline_turns(systems, work.runs):
+            runs = await _offline_run(report, model_dir, system, work, sets, run_index)
+            for entry in runs:
+                spare = entry.pop("spare")
+                prompts = (spare_set(sets, work, run_index) if spare else sets[1 + run_index])[
+                    "offline"
+                ]
+                seconds = entry["region"]["seconds"]
+                entry["tok_s"] = sum(len(o) for o in entry["outputs"]) / seconds
+                entry["model_flops_per_s"] = (
+                    offline_flops(shapes, prompts, work.offline_output) / seconds
+                )
+                if spare:
+                    entry["repeat_of_disturbed"] = run_index
+            report.offline.setdefault(system, []).extend(runs)
 
     return phase
+
+
+async def _offline_run(
+    report: Report,
+    model_dir: Path,
+    system: str,
+    work: Workload,
+    sets: list[dict[str, Any]],
+    run_index: int,
+) -> list[dict[str, Any]]:
+    """One offline child: warm-up, run `run_index` (and its spare when disturbed)."""
+    spec = {
+        "device": report.device,
+        "dtype": report.dtype,
+        "workload": asdict(work),
+        "warmup": sets[0]["offline"][:8],
+        "prompts": sets[1 + run_index]["offline"],
+        "spare": spare_set(sets, work, run_index)["offline"],
+    }
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
+        json.dump(spec, file)
+    env = vllm_environment(report.device) if system == "vllm" else {}
+    try:
+        result = await asyncio.to_thread(
+            run_child, sys.executable, "offline", [system, str(model_dir), file.name], env
+        )
+    finally:
+        Path(file.name).unlink(missing_ok=True)
+    runs: list[dict[str, Any]] = result["runs"]
+    return runs
 
 
 def _servers_phase(systems: dict[str, list[str]]) -> Phase:
@@ -1360,9 +1382,10 @@ def markdown(report: Report, command: str) -> str:
         f"the end. {_vllm_setup(report)}; kvmesh with its defaults{_but_dtype(report)} "
         "(`kvmesh up --mode colocated` for the server rows). One warm-up each, then "
         f"{report.workload['runs']} "
-        "run(s) per row on fresh prompts, the servers up together and taking turns on each "
-        "row (in the opposite order on every other run), each run once the machine settled; each "
-        "figure is the better undisturbed run. Results: "
+        "run(s) per row on fresh prompts, the systems taking turns on each row (in the "
+        "opposite order on every other run): the servers up together, each run once the machine "
+        "settled; offline, a child process with its own warm-up for each run of each library. "
+        "Each figure is the better undisturbed run. Results: "
         f"`bench/results/{name}.json`, `bench/results/{name}.png`.",
         "",
         f"| workload | kvmesh | {_peer_name(report)} | kvmesh / vLLM |",

@@ -1,5 +1,6 @@
 """bench.peers' arithmetic against the machine (the work of a step and the serving row's floor),
-the order in which the servers take turns, and whose processes a timed region counts."""
+the order in which the servers and the offline libraries take turns, and whose processes a
+timed region counts."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from bench.peers import (
     Request,
     Shapes,
     _ours,
+    offline_turns,
     serving_prefill_floor_lines,
     settled,
     step_flops,
@@ -94,6 +96,19 @@ def test_the_servers_take_turns_on_each_row_in_the_opposite_order_on_the_second_
         (1, "serving", "kvmesh"),
         (1, "single", "vllm"),
         (1, "single", "kvmesh"),
+    ]
+
+
+def test_the_offline_libraries_take_turns_and_transformers_runs_once() -> None:
+    order = list(offline_turns(["kvmesh", "vllm", "transformers"], 3))
+    assert order == [
+        (0, "kvmesh"),
+        (0, "vllm"),
+        (0, "transformers"),
+        (1, "vllm"),
+        (1, "kvmesh"),
+        (2, "kvmesh"),
+        (2, "vllm"),
     ]
 
 
