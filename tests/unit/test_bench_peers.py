@@ -18,6 +18,7 @@ from bench.peers import (
     Shapes,
     _ours,
     offline_turns,
+    prefix_row,
     serving_prefill_floor_lines,
     settled,
     step_flops,
@@ -110,6 +111,26 @@ def test_the_offline_libraries_take_turns_and_transformers_runs_once() -> None:
         (2, "kvmesh"),
         (2, "vllm"),
     ]
+
+
+@dataclass(slots=True)
+class _Answering:
+    """A server whose TTFT is the prompt's first token id, in seconds."""
+
+    name: str = "fake"
+    roots: tuple[int, ...] = ()
+
+    async def request(self, prompt: list[int], max_tokens: int) -> Request:
+        return Request(prompt[0], prompt[0], [prompt[-1]], "length", "")
+
+
+def test_the_prefix_row_reports_the_medians_of_the_cold_and_the_warm_requests() -> None:
+    # Three prefixes (cold TTFTs 5, 1 and 3 s), each with two warm requests.
+    groups = [[[5, 0], [2, 1], [9, 2]], [[1, 3], [4, 4], [6, 5]], [[3, 6], [8, 7], [7, 8]]]
+    row = asyncio.run(prefix_row(_Answering(), groups))
+    assert row["cold_ttft_ms"] == 3000
+    assert row["warm_ttft_ms"] == 6500
+    assert row["outputs"] == [[0], [3], [6], [1], [2], [4], [5], [7], [8]]
 
 
 def test_a_region_counts_the_roots_descendants_and_this_process_as_the_system() -> None:
