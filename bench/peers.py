@@ -32,8 +32,10 @@ waits for the machine to settle first (a vLLM worker that just served polls at 0
 a while; the idle servers' processes then use under 0.01 cores each, counted with the other
 processes). Greedy outputs are compared token by token across systems. Every timed region
 records the load average and the CPU that other processes used meanwhile; a region disturbed
-by them is run again and both are kept. Writes the "Peers" section of BENCHMARKS.md and
-bench/results/peers.json + peers.png.
+by them is run again and both are kept. Before each timed run the machine is probed (a 1024^3
+matmul rate and a 256 MiB copy's bandwidth, under half a second): the host's slow minutes
+show in no process, and a row's figure is read against what the machine gave just before.
+Writes the "Peers" section of BENCHMARKS.md and bench/results/peers.json + peers.png.
 
 --model qwen2-random runs the same rows on a second family: a Qwen2 checkpoint (Q/K/V bias) of
 SmolLM2-135M's shapes and tokenizer with random weights (seed 0), written once as a folder;
@@ -125,6 +127,12 @@ LARGE_PRODUCTS = {
     "NoneType": "torch's matmul",
 }
 STEP_REPEATS = 7
+PEAK_SIZE = 2048  # the steps row's peak: 2048^3 products
+# machine_probe, before each timed run: products of 1024^3 and a copy of 256 MiB (source and
+# target past the largest L3 of these machines, the model 207 Xeon's 300 MiB), best of 5.
+PROBE_SIZE = 1024
+PROBE_COPY_BYTES = 256 << 20
+PROBE_REPEATS = 5
 P99_TTFT_GOAL = 0.8  # issue 12: the serving row's TTFT p99 at most this share of vLLM's
 KV_CACHE_GIB = 3  # 64 x 640 tokens of fp32 KV is ~1.9 GB
 # --device -> the weights' dtype every system runs in by default (the usual one there).
@@ -348,13 +356,15 @@ def offline_child(system: str, model_dir: str, spec: dict[str, Any]) -> dict[str
     work = Workload(**spec["workload"])
     generate = _offline_generator(system, model_dir, work, spec["device"], spec["dtype"])
     generate(spec["warmup"])
-    with timed_region() as region:
-        outputs = generate(spec["prompts"])
-    runs = [{"region": asdict(region), "outputs": outputs, "spare": False}]
-    if region.disturbed:
+    runs: list[dict[str, Any]] = []
+    for prompts, spare in ((spec["prompts"], False), (spec["spare"], True)):
+        machine = machine_probe()
         with timed_region() as region:
-            outputs = generate(spec["spare"])
-        runs.append({"region": asdict(region), "outputs": outputs, "spare": True})
+            outputs = generate(prompts)
+        runs.append({"region": asdict(region), "outputs": outputs, "spare": spare})
+        runs[-1]["machine"] = machine
+        if not region.disturbed:
+            break
     return {"runs": runs}
 
 
@@ -463,16 +473,7 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         "decode_32": [BatchEntry(ids(1), context, table(i, 24)) for i in range(32)],
         "decode_1": [BatchEntry(ids(1), context, table(0, 24))],
     }
-    a = torch.randn(2048, 2048)
-    b = torch.randn(2048, 2048)
-    peak_products = [lambda: torch.mm(a, b)]
-    if torch.backends.mkldnn.is_available():
-        # oneDNN runs AVX-512 code where torch's MKL product keeps to AVX2 (AMD): the
-        # machine's peak is the faster of the two.
-        reordered = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), 2048)
-        peak_products.append(
-            lambda: torch.ops.mkldnn._linear_pointwise(a, reordered, None, "none", [], "")
-        )
+    peak_products = square_products(PEAK_SIZE)
     peak_s: list[float] = []
     by_mode: dict[str, dict[str, float]] = {mode: {} for mode in runners}
     for name, batch in batches.items():
@@ -488,7 +489,7 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         for mode in runners:
             by_mode[mode][name] = min(times[mode])
     seconds = by_mode[LARGE_BATCH_MODES[0]]
-    peak = 2 * 2048**3 / min(peak_s)
+    peak = 2 * PEAK_SIZE**3 / min(peak_s)
     project = runners[LARGE_BATCH_MODES[0]].project
     shapes = model_shapes(loaded.config)
     flops = {
@@ -514,6 +515,45 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         "weight_bytes": weight_bytes(loaded),
         "copy_bytes_per_s": copy_bandwidth(),
         "threads": torch.get_num_threads(),
+    }
+
+
+def square_products(size: int) -> list[Callable[[], object]]:
+    """fp32 products of two size x size matrices, each way this machine has: torch's and,
+    where torch has it, oneDNN's on a reordered weight (oneDNN runs AVX-512 code where torch's
+    MKL product keeps to AVX2 on AMD: the machine's peak is the faster of the two)."""
+    import torch
+
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    products: list[Callable[[], object]] = [lambda: torch.mm(a, b)]
+    if torch.backends.mkldnn.is_available():
+        reordered = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), size)
+        products.append(
+            lambda: torch.ops.mkldnn._linear_pointwise(a, reordered, None, "none", [], "")
+        )
+    return products
+
+
+def machine_probe() -> dict[str, float]:
+    """What the machine gives this minute, in under half a second: the fp32 matmul rate
+    (PROBE_SIZE^3, the best of PROBE_REPEATS of each product) and the copy bandwidth (bytes
+    read and written by a PROBE_COPY_BYTES copy, best of PROBE_REPEATS). Taken before each
+    timed run: the host runs this guest slower for minutes at a time, which nothing inside
+    the guest shows, and a row's figure is read against the machine it ran on."""
+    import torch
+
+    products = square_products(PROBE_SIZE)
+    for product in products:
+        product()
+    matmul_s = min(_seconds(product) for product in products for _ in range(PROBE_REPEATS))
+    source = torch.ones(PROBE_COPY_BYTES // 4)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    copy_s = min(_seconds(functools.partial(target.copy_, source)) for _ in range(PROBE_REPEATS))
+    return {
+        "matmul_gflops": 2 * PROBE_SIZE**3 / matmul_s / 1e9,
+        "copy_gb_s": 2 * PROBE_COPY_BYTES / copy_s / 1e9,
     }
 
 
@@ -860,7 +900,9 @@ def spare_set(prompt_sets: list[dict[str, Any]], work: Workload, run_index: int)
 async def _server_row(
     server: Server, row: str, work: Workload, prompts: dict[str, Any]
 ) -> dict[str, Any]:
-    """One run of a row, once the machine settled (the seconds that took: "settle_s")."""
+    """One run of a row, once the machine settled (the seconds that took: "settle_s"), with
+    the machine probed just before ("machine")."""
+    machine = await asyncio.to_thread(machine_probe)
     settle_s = await settled()
     if row == "serving":
         result = await serving_row(server, prompts["serving"], work.serving_output)
@@ -870,7 +912,7 @@ async def _server_row(
         result = await prefix_row(server, prompts["prefix"])
     else:
         raise ValueError(f"unknown server row {row!r}")
-    return result | {"settle_s": settle_s}
+    return result | {"settle_s": settle_s, "machine": machine}
 
 
 # ---- the whole run -------------------------------------------------------------------------
@@ -1370,9 +1412,17 @@ def _region_line(name: str, run: dict[str, Any]) -> str:
     if "repeat_of_disturbed" in run:
         name += f" (repeat of disturbed run {run['repeat_of_disturbed'] + 1})"
     mark = " **disturbed**" if is_disturbed(region) else ""
+    machine = run.get("machine")
+    probed = (
+        f"; the machine just before: {machine['matmul_gflops']:.0f} GFLOP/s, "
+        f"{machine['copy_gb_s']:.1f} GB/s copy"
+        if machine
+        else ""
+    )
     return (
         f"{name}: {region['seconds']:.1f} s, load {region['load_start']:.1f} -> "
         f"{region['load_end']:.1f}, other processes {region['other_cores']:.2f} cores{mark}"
+        f"{probed}"
     )
 
 
@@ -1427,7 +1477,8 @@ def markdown(report: Report, command: str) -> str:
         "",
         f"Timed regions (a region where other processes and the hypervisor (steal) took over "
         f"{DISTURBED_CORES} cores is "
-        "disturbed and was run again on fresh prompts):",
+        "disturbed and was run again on fresh prompts; each with the machine probed just "
+        "before it):",
         "",
     ]
     lines += [f"- {line}" for line in disturbance_lines(report)]

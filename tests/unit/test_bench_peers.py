@@ -17,6 +17,8 @@ from bench.peers import (
     Request,
     Shapes,
     _ours,
+    _region_line,
+    machine_probe,
     offline_turns,
     prefix_row,
     serving_prefill_floor_lines,
@@ -169,3 +171,23 @@ def test_a_row_waits_for_the_machine_to_settle_and_no_longer_than_the_most(
     monkeypatch.setattr(bench.peers, "SETTLE_MOST_S", 0.1)
     _machine_running([0.5], monkeypatch)
     assert 0.1 <= asyncio.run(settled()) < 0.1 + 0.5
+
+
+def test_the_machine_probe_measures_a_matmul_rate_and_a_copy_bandwidth() -> None:
+    machine = machine_probe()
+    assert set(machine) == {"matmul_gflops", "copy_gb_s"}
+    # Any CPU this runs on does more than a GFLOP/s and copies more than a GB/s.
+    assert machine["matmul_gflops"] > 1.0
+    assert machine["copy_gb_s"] > 1.0
+
+
+def test_a_region_line_gives_the_machine_probed_before_the_run() -> None:
+    region = {"seconds": 6.94, "load_start": 1.6, "load_end": 2.0, "other_cores": 0.03}
+    probed = {"matmul_gflops": 311.6, "copy_gb_s": 23.14}
+    assert _region_line("serving vllm", {"region": region, "machine": probed}) == (
+        "serving vllm: 6.9 s, load 1.6 -> 2.0, other processes 0.03 cores; "
+        "the machine just before: 312 GFLOP/s, 23.1 GB/s copy"
+    )
+    assert _region_line("serving vllm", {"region": region}) == (
+        "serving vllm: 6.9 s, load 1.6 -> 2.0, other processes 0.03 cores"
+    )
