@@ -27,15 +27,15 @@ gets one warm-up, then each row runs twice on fresh prompts (a rerun on the same
 be served from the prefix cache). Each run of a row goes to every system in turn, in the
 opposite order on the second run (offline: a child process with its own warm-up for each run
 of each library), so that minutes in which the host runs this guest slower (which nothing
-inside the guest shows) weigh on every system alike. Each run of a row
-waits for the machine to settle first (a vLLM worker that just served polls at 0.09 cores for
-a while; the idle servers' processes then use under 0.01 cores each, counted with the other
-processes). Greedy outputs are compared token by token across systems. Every timed region
-records the load average and the CPU that other processes used meanwhile; a region disturbed
-by them is run again and both are kept. Before each timed run the machine is probed (a 1024^3
-matmul rate and a 256 MiB copy's bandwidth, under half a second): the host's slow minutes
-show in no process, and a row's figure is read against what the machine gave just before.
-Writes the "Peers" section of BENCHMARKS.md and bench/results/peers.json + peers.png.
+inside the guest shows) weigh on every system alike. Each run of a row waits for the machine
+to settle first (a vLLM worker that just served polls at 0.09 cores for a while; the idle
+servers' processes then use under 0.01 cores each, counted with the other processes).
+Greedy outputs are compared token by token across systems. Every timed region records the
+load average and the CPU that other processes used meanwhile; a region disturbed by them is
+run again and both are kept. Before each timed run the machine is probed (a 1024^3 matmul
+rate and a 256 MiB copy's bandwidth, under half a second): the host's slow minutes show in no
+process, and a row's figure is read against what the machine gave just before. Writes the
+"Peers" section of BENCHMARKS.md and bench/results/peers.json + peers.png.
 
 --model qwen2-random runs the same rows on a second family: a Qwen2 checkpoint (Q/K/V bias) of
 SmolLM2-135M's shapes and tokenizer with random weights (seed 0), written once as a folder;
@@ -361,8 +361,9 @@ def offline_child(system: str, model_dir: str, spec: dict[str, Any]) -> dict[str
         machine = machine_probe()
         with timed_region() as region:
             outputs = generate(prompts)
-        runs.append({"region": asdict(region), "outputs": outputs, "spare": spare})
-        runs[-1]["machine"] = machine
+        runs.append(
+            {"region": asdict(region), "outputs": outputs, "spare": spare, "machine": machine}
+        )
         if not region.disturbed:
             break
     return {"runs": runs}
@@ -900,10 +901,11 @@ def spare_set(prompt_sets: list[dict[str, Any]], work: Workload, run_index: int)
 async def _server_row(
     server: Server, row: str, work: Workload, prompts: dict[str, Any]
 ) -> dict[str, Any]:
-    """One run of a row, once the machine settled (the seconds that took: "settle_s"), with
-    the machine probed just before ("machine")."""
-    machine = await asyncio.to_thread(machine_probe)
+    """One run of a row, once the machine settled (the seconds that took: "settle_s") and was
+    probed ("machine": probed before settling, it read a vLLM worker that had just served
+    polling beside it, 122 GFLOP/s and 12 GB/s against 300 and 23 settled)."""
     settle_s = await settled()
+    machine = await asyncio.to_thread(machine_probe)
     if row == "serving":
         result = await serving_row(server, prompts["serving"], work.serving_output)
     elif row == "single":
