@@ -72,7 +72,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -81,6 +81,7 @@ from bench.report import BENCHMARKS, RESULTS, write_results, write_section
 from kvmesh.bench_report import percentile
 from kvmesh.stack import Mode
 
+T = TypeVar("T")
 HEADING = "## Peers: kvmesh vs vLLM CPU"
 MODEL = "smollm2-135m"
 KVMESH_ON_VLLM = "kvmesh on vllm"
@@ -128,10 +129,8 @@ LARGE_PRODUCTS = {
 }
 STEP_REPEATS = 7
 PEAK_SIZE = 2048  # the steps row's peak: 2048^3 products
-# machine_probe, before each timed run: products of 1024^3 and a copy of 256 MiB (source and
-# target past the largest L3 of these machines, the model 207 Xeon's 300 MiB), best of 5.
+# machine_probe, before each timed run: products of 1024^3, best of 5.
 PROBE_SIZE = 1024
-PROBE_COPY_BYTES = 256 << 20
 PROBE_REPEATS = 5
 P99_TTFT_GOAL = 0.8  # issue 12: the serving row's TTFT p99 at most this share of vLLM's
 KV_CACHE_GIB = 3  # 64 x 640 tokens of fp32 KV is ~1.9 GB
@@ -537,24 +536,21 @@ def square_products(size: int) -> list[Callable[[], object]]:
 
 
 def machine_probe() -> dict[str, float]:
-    """What the machine gives this minute, in under half a second: the fp32 matmul rate
-    (PROBE_SIZE^3, the best of PROBE_REPEATS of each product) and the copy bandwidth (bytes
-    read and written by a PROBE_COPY_BYTES copy, best of PROBE_REPEATS). Taken before each
-    timed run: the host runs this guest slower for minutes at a time, which nothing inside
-    the guest shows, and a row's figure is read against the machine it ran on."""
-    import torch
+    """What the machine gives this minute, in under half a second once bench.engine is
+    imported: the fp32 matmul rate (PROBE_SIZE^3, the best of PROBE_REPEATS of each product)
+    and the copy bandwidth the steps row measures (bench.engine.copy_bandwidth: 256 MiB, past
+    the largest L3 of these machines, the model 207 Xeon's 300 MiB). Taken before each timed
+    run: the host runs this guest slower for minutes at a time, which nothing inside the guest
+    shows, and a row's figure is read against the machine it ran on."""
+    from bench.engine import copy_bandwidth
 
     products = square_products(PROBE_SIZE)
     for product in products:
         product()
     matmul_s = min(_seconds(product) for product in products for _ in range(PROBE_REPEATS))
-    source = torch.ones(PROBE_COPY_BYTES // 4)
-    target = torch.empty_like(source)
-    target.copy_(source)
-    copy_s = min(_seconds(functools.partial(target.copy_, source)) for _ in range(PROBE_REPEATS))
     return {
         "matmul_gflops": 2 * PROBE_SIZE**3 / matmul_s / 1e9,
-        "copy_gb_s": 2 * PROBE_COPY_BYTES / copy_s / 1e9,
+        "copy_gb_s": copy_bandwidth() / 1e9,
     }
 
 
@@ -886,11 +882,16 @@ def turns(
 ) -> Iterator[tuple[int, str, Server]]:
     """(run, row, server) in the order server_rows runs them."""
     for run_index in range(runs):
-        order = servers if run_index % 2 == 0 else servers[::-1]
+        order = in_turn(servers, run_index)
         for row in SERVER_ROWS:
             for server in order:
                 if row in rows[server.name]:
                     yield run_index, row, server
+
+
+def in_turn(systems: list[T], run_index: int) -> list[T]:
+    """The order the systems take a run in: as given, reversed on every other run."""
+    return systems if run_index % 2 == 0 else systems[::-1]
 
 
 def spare_set(prompt_sets: list[dict[str, Any]], work: Workload, run_index: int) -> dict[str, Any]:
@@ -1077,8 +1078,7 @@ def offline_turns(systems: list[str], runs: int) -> Iterator[tuple[int, str]]:
     """(run, system) in the order the offline row runs them: every system in turn on each run,
     in the opposite order on every other run (transformers, minutes a run, on the first only)."""
     for run_index in range(runs):
-        order = systems if run_index % 2 == 0 else systems[::-1]
-        for system in order:
+        for system in in_turn(systems, run_index):
             if system != "transformers" or run_index == 0:
                 yield run_index, system
 
