@@ -319,15 +319,16 @@ def panel_row_tiles(rows: int) -> list[int]:
 
 def test_row_tiles_are_even_on_avx2_where_every_tile_keeps_5_rows_or_more() -> None:
     """On AVX2 (6-row tiles) 32 rows run as 6+6+5+5+5+5, not 6+6+6+6+6+2, but 13 rows as
-    6+6+1, since 5+4+4 was slower; AVX-512's 8-row tiles stay whole, a remainder last."""
+    6+6+1, since 5+4+4 was slower; AVX-512's 14-row tiles stay whole, a remainder last, but
+    for a last tile of one row: 15 rows run as 8+7."""
     library = load_library("panel_linear")
     library.panel_linear_width.restype = ctypes.c_int
     if library.panel_linear_width() == 16:  # AVX2: 6-row tiles
         expected = {1: [1], 6: [6], 7: [6, 1], 10: [5, 5], 13: [6, 6, 1], 20: [5, 5, 5, 5]}
         expected[32] = [6, 6, 5, 5, 5, 5]
-    else:  # AVX-512: 8-row tiles
-        expected = {1: [1], 8: [8], 9: [8, 1], 20: [8, 8, 4], 32: [8, 8, 8, 8]}
-        expected[33] = [8, 8, 8, 8, 1]
+    else:  # AVX-512: 14-row tiles
+        expected = {1: [1], 13: [13], 14: [14], 15: [8, 7], 16: [14, 2], 20: [14, 6]}
+        expected |= {28: [14, 14], 29: [14, 8, 7], 32: [14, 14, 4]}
     assert {rows: panel_row_tiles(rows) for rows in expected} == expected
 
 
