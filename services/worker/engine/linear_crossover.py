@@ -7,7 +7,7 @@ kernel's time for a 512-token prefill step and 0.93x for 1,024 tokens, 0.97x at 
 another Intel Xeon (model 207) 0.98x at 1,024. No rule by vendor or vector width fits every
 CPU measured, so "auto" measures: when the engine is built, the projections of the model's
 first layer run on both products at CANDIDATE_ROWS rows (a bfloat16 model's at
-BFLOAT16_CANDIDATE_ROWS), alternated, the best of REPEATS each,
+BFLOAT16_CANDIDATE_ROWS), alternated, in REPEATS rounds, the best of each,
 and oneDNN takes the layers' projections from the smallest candidate at which it ran them
 more than MARGIN faster and at every larger candidate (none: the panel kernel keeps them
 all). A step of that many rows runs layer by layer (the runner's choice), so one count for
@@ -40,8 +40,9 @@ BFLOAT16_CANDIDATE_ROWS = (8, 32, 128, 512)
 decode sizes, where oneDNN's AMX code may already be the faster one (the panel kernel's
 bfloat16 build runs AVX-512 BF16; on an AMD EPYC Zen 4, without AMX, it took 0.68-0.87x
 oneDNN's time at 8-32 rows and tied from 128)."""
-REPEATS = 3
-"""Runs of each product at each candidate; the fastest counts (the least disturbed)."""
+REPEATS = 5
+"""Rounds over the candidates, each running both products at each; each product's fastest
+run at a candidate counts (the least disturbed)."""
 MARGIN = 0.03
 """How much faster oneDNN must run the projections alone to take a row count: its steps run
 layer by layer, which costs more around the projections than the panel kernel's single C
@@ -108,14 +109,25 @@ class Crossover:
 
     def _measure(self, weights: Sequence[torch.Tensor]) -> int | None:
         products = (self.panels, self.packed)
-        panel_s, packed_s = [], []
-        for rows in self.candidate_rows:
-            inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
+        inputs = [
+            [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
+            for rows in self.candidate_rows
+        ]
+        for rows_inputs in inputs:
             for product in products:
-                _seconds(product, weights, inputs)  # its copies made, and warm, untimed
-            runs = [[_seconds(p, weights, inputs) for p in products] for _ in range(REPEATS)]
-            panel_s.append(min(run[0] for run in runs))
-            packed_s.append(min(run[1] for run in runs))
+                _seconds(product, weights, rows_inputs)  # its copies made, and warm, untimed
+        # Rounds over every candidate, not one candidate's runs back to back: a burst of other
+        # work on the host then spoils one run of several candidates, not every run of one.
+        # On a 2-core AMD EPYC Zen 4, where eight measurements in a row gave oneDNN 0.94x the
+        # panel kernel's time at 512 rows and 0.91x at 1,024, one start (bench.peers' steps
+        # child, three runs back to back) measured it not faster somewhere, and the panel
+        # kernel kept every step: 512-token prefill steps 1.05x oneDNN's time.
+        panel_s = [float("inf")] * len(inputs)
+        packed_s = [float("inf")] * len(inputs)
+        for _ in range(REPEATS):
+            for index, rows_inputs in enumerate(inputs):
+                panel_s[index] = min(panel_s[index], _seconds(self.panels, weights, rows_inputs))
+                packed_s[index] = min(packed_s[index], _seconds(self.packed, weights, rows_inputs))
         return first_faster_rows(self.candidate_rows, panel_s, packed_s, MARGIN)
 
 

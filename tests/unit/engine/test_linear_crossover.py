@@ -10,11 +10,13 @@ import pytest
 import torch
 from torch import nn
 
+from services.worker.engine import linear_crossover
 from services.worker.engine.decode_kernel import choose_decode_kernel
 from services.worker.engine.decode_layers_kernel import layer_projections
 from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_crossover import (
     BFLOAT16_CANDIDATE_ROWS,
+    REPEATS,
     Crossover,
     first_faster_rows,
 )
@@ -44,6 +46,29 @@ def test_onednn_takes_the_rows_from_which_it_is_faster_at_every_larger_count() -
     assert first_faster_rows(ROWS, panel, [0.9, 1.9, 3.8, 7.0], 0.03) == 128
     assert first_faster_rows(ROWS, panel, [0.9, 1.9, 3.8, 8.5], 0.03) is None  # lost at 1,024
     assert first_faster_rows(ROWS, panel, [1.0, 2.0, 3.9, 7.9], 0.03) is None  # within margin
+
+
+def test_the_measurement_runs_rounds_over_every_candidate_and_keeps_each_fastest_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each round times both products at every candidate, so a burst of other work spoils one
+    run of several candidates, not every run of one; each product's fastest run counts."""
+    chooser = Crossover(PanelLinear(load_library("panel_linear"), 2), PackedLinear(), (2, 4, 8))
+    timed: list[tuple[str, int]] = []
+
+    def seconds(product: object, weights: object, inputs: list[torch.Tensor]) -> float:
+        rows = inputs[0].shape[0]
+        name = "panels" if product is chooser.panels else "onednn"
+        timed.append((name, rows))
+        if len(timed) <= 6:  # the untimed warm-up of each product at each candidate
+            return 0.0
+        spoiled = len(timed) in (8, 10)  # the first round's oneDNN runs at 2 and 4 rows
+        return rows * (1.0 if name == "panels" else 0.9) * (5.0 if spoiled else 1.0)
+
+    monkeypatch.setattr(linear_crossover, "_seconds", seconds)
+    assert chooser._measure([torch.zeros(3, 5)]) == 2
+    one_round = [(name, rows) for rows in (2, 4, 8) for name in ("panels", "onednn")]
+    assert timed == one_round * (1 + REPEATS)
 
 
 def crossover() -> Crossover:
