@@ -39,14 +39,14 @@
 #if defined(__AVX512F__)
 #define LANES 16
 /* 14 x 2 accumulators, the two weight vectors and the broadcast: 31 of AVX-512's 32
- * registers. Each step of the inner loop then loads 16 floats per 28 products instead of 10
- * per 16 (8-row tiles), and the products ran closer to the peak: on 2 cores of an AMD EPYC
- * Zen 4, SmolLM2-135M's four layer projections, 30 runs alternated, 14-row against 8-row
- * tiles, 8 rows 0.34 vs 0.36 ms, 32 rows 1.20 vs 1.28, 64 rows 2.24 vs 2.49, 128 rows 4.45
- * vs 4.98 (204 vs 182 GFLOP/s; oneDNN 199), 512 rows 18.5 vs 19.9; 12 or 13 rows were in
- * between. 8-row tiles ran at 81% of the peak on one thread too, and at 84% with the panel in
- * L1 (128 inputs): the tile's loads held it back, not the threads or the caches. Not measured
- * on an Intel Xeon. */
+ * registers. Each step of the inner loop then makes 16 loads (two weight vectors, 14
+ * broadcasts) for 28 products instead of 10 for 16, and ran closer to the peak: on 2 cores
+ * of an AMD EPYC Zen 4, SmolLM2-135M's four layer projections, 30 runs alternated, 14-row
+ * against 8-row tiles, 8 rows 0.34 vs 0.36 ms, 32 rows 1.20 vs 1.28, 64 rows 2.24 vs 2.49,
+ * 128 rows 4.45 vs 4.98 (204 vs 182 GFLOP/s; oneDNN 199), 512 rows 18.5 vs 19.9; 12 or 13
+ * rows were in between. 8-row tiles ran at 81% of the peak on one thread too, and at 84% with
+ * the panel in L1 (128 inputs): the tile's loads held it back, not the threads or the caches.
+ * Not measured on an Intel Xeon. */
 #define TILE_ROWS 14
 #define SHORT_TILES(CASE)                                                                    \
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10)         \
