@@ -37,8 +37,10 @@ KERNELS_DIR = Path(__file__).with_name("kernels")
 # simd`: the attention kernels' softmax, RMSNorm, SwiGLU, RoPE) 256 bits wide even where the
 # kernels' own vector types are 512 bits wide. On 2 cores of an Intel Xeon (family 6 model 167),
 # alternated: SmolLM2-135M's 1,056-token prefill attention 141 vs 160 ms (30 layers), the
-# batch-1 step 20.2-20.3 vs 22.2-22.5 ms, the 1,056-token step 812-836 vs 837-868 ms. It is an
-# x86 flag, and changes nothing on a CPU without AVX-512.
+# batch-1 step 20.2-20.3 vs 22.2-22.5 ms, the 1,056-token step 812-836 vs 837-868 ms. GCC 12
+# tunes an AMD EPYC Zen 4 as a Zen 3, 256 bits wide too; there the 1,056-token step took
+# 1,296-1,321 vs 1,315-1,330 ms, three runs each alternated. It is an x86 flag, and changes
+# nothing on a CPU without AVX-512.
 CFLAGS = (
     "-O3",
     "-march=native",
