@@ -17,6 +17,7 @@ import gc
 import inspect
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -37,6 +38,7 @@ from kvmesh.mesh_auth import MeshGuard
 from kvmesh.reflection import enable_reflection
 from kvmesh.rpc_status import abort_with_error
 from kvmesh.server_tracing import TracingInterceptor
+from kvmesh.supervised import SupervisorGone, die_with_supervisor
 from kvmesh.telemetry import setup_tracing
 from kvmesh.tls import TlsFiles
 
@@ -432,8 +434,9 @@ def run_service_main(service_name: str, main: Callable[[], object]) -> int:
     """Runs a service's `main`; a user's mistake at start ends it with one line on stderr and
     exit code 2 instead of a traceback (the traceback is logged at debug level)."""
     try:
+        die_with_supervisor(os.environ)
         main()
-    except STARTUP_ERRORS as error:
+    except (*STARTUP_ERRORS, SupervisorGone) as error:
         log.debug("%s failed to start", service_name, exc_info=True)
         print(f"{service_name}: error: {error}", file=sys.stderr, flush=True)
         return 2

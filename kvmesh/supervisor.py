@@ -4,14 +4,14 @@ Children start in dependency order (cache and workers together, then the router,
 gateway), each considered up once it prints its ready line. Their output is shown line by
 line behind their name. Ctrl-C or SIGTERM stops them in reverse order; a child that fails
 to start stops the rest. Children die with the supervisor even when it is killed outright
-(PR_SET_PDEATHSIG), so no kvmesh process is ever left behind.
+(each asks for PR_SET_PDEATHSIG itself: kvmesh.supervised), so no kvmesh process is ever left
+behind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import signal
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from kvmesh.grpc_server import READY_PREFIX, bind_error
 from kvmesh.stack import StackService
+from kvmesh.supervised import SUPERVISOR_PID_ENV
 
-_PR_SET_PDEATHSIG = 1
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 20.0
 TAIL_LINES = 15
@@ -32,12 +32,6 @@ Printer = Callable[[str, str], None]
 
 class StartupError(RuntimeError):
     """A service could not start; the message names it and says why."""
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the supervisor dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def service_environment(
@@ -94,8 +88,9 @@ class Supervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             stdin=asyncio.subprocess.DEVNULL,
-            env=service_environment(service, os.environ, self.env),
-            preexec_fn=_die_with_parent,
+            env=service_environment(
+                service, os.environ, {**self.env, SUPERVISOR_PID_ENV: str(os.getpid())}
+            ),
             # Own session: a terminal's Ctrl-C reaches only the supervisor, which stops the
             # children in order (gateway first) instead of all at once.
             start_new_session=True,
