@@ -282,12 +282,27 @@ def kernel_model(kind: str, family_dir: Path, loaded: LoadedModel) -> LoadedMode
     return load_model(str(family_dir), dtype=torch.bfloat16) if kind == "bfloat16" else loaded
 
 
+def bfloat16_project(model: LoadedModel) -> PackedProject | None:
+    """A bfloat16 model's projections as the engine chooses them (None for other dtypes). A
+    test makes one and gives it to both its runners: each new one measures where oneDNN runs
+    faster than the panel kernel, which a busy machine can move across a step's row count, and
+    the two products round differently."""
+    if model.dtype != torch.bfloat16:
+        return None
+    return choose_bfloat16_project("auto", "auto", CPU, model.dtype, torch.get_num_threads())
+
+
 def kernel_runner(
-    model: LoadedModel, prompts: int, fuse: bool, *, prefill: bool = False
+    model: LoadedModel,
+    prompts: int,
+    fuse: bool,
+    project: PackedProject | None,
+    *,
+    prefill: bool = False,
 ) -> ModelRunner:
     """A runner on the CPU kernels of the model's dtype (a float32 model's larger steps on
-    panels; a bfloat16 model's as the engine chooses), 4 blocks a prompt; chunks attend on the
-    prefill kernel only when asked (through torch otherwise)."""
+    panels; a bfloat16 model's on `project`), 4 blocks a prompt; chunks attend on the prefill
+    kernel only when asked (through torch otherwise)."""
     threads, dtype = torch.get_num_threads(), model.dtype
     bfloat16 = dtype == torch.bfloat16
     return ModelRunner(
@@ -298,7 +313,7 @@ def kernel_runner(
         prefill_kernel=load_prefill_kernel(threads, dtype) if prefill else None,
         rope_store_kernel=load_rope_store_kernel(threads, dtype),
         linear_kernel=None if bfloat16 else load_linear_kernel(threads, "panels"),
-        project=choose_bfloat16_project("auto", "auto", CPU, dtype, threads) if bfloat16 else None,
+        project=project,
         fuse_small_decodes=fuse,
     )
 
@@ -339,8 +354,9 @@ def test_fused_decode_layers_give_the_layer_by_layer_logits_exactly(
     ]
     tables = [list(range(i * 4, (i + 1) * 4)) for i in range(len(prompts))]
     steps: dict[bool, torch.Tensor] = {}
+    project = bfloat16_project(model)
     for fuse in (True, False):
-        runner = kernel_runner(model, len(prompts), fuse)
+        runner = kernel_runner(model, len(prompts), fuse, project)
         fused = runner.decode_layers
         assert (fused is not None) == (
             fuse and not loaded.config.qk_norm and kernel_projects(runner)
@@ -388,8 +404,9 @@ def test_fused_layers_run_prefill_steps_with_the_layer_by_layer_logits_exactly(
 
     monkeypatch.setattr(LlamaModel, "forward", counted)
     steps: dict[bool, list[torch.Tensor]] = {}
+    project = bfloat16_project(model)
     for fuse in (True, False):
-        runner = kernel_runner(model, len(prompts), fuse, prefill=True)
+        runner = kernel_runner(model, len(prompts), fuse, project, prefill=True)
         fused = runner.decode_layers
         runs_prefills = fused is not None and fused.runs_prefills
         panels = fused_panels(runner) and kind != "int8"
