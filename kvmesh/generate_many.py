@@ -36,24 +36,33 @@ Message = TypeVar("Message", common_pb2.GenerateManyMessage, gateway_pb2.Generat
 Item = common_pb2.GenerateEvent | KvmeshError | None
 """What reaches a generation: its next event, the error that ended it, or None: cut."""
 
+IDLE_LINGER_S = 5.0
+"""How long a call stays open after its last generation ended, for the caller's next one."""
+
 
 class GenerateManyCall(Generic[Message]):
     """One GenerateMany call from the caller's side: the generations it runs on one service,
     each under a number of the call's, their events coming back batched.
 
-    It lasts while generations are open: once its last one ends it half-closes and takes no
-    more, and the service ends the call (so that the channel of a service that left can close:
-    the router's peers.py); the next generation opens a new call. A call that breaks fails
-    every generation on it with its status."""
+    It lasts while generations are open and `linger_s` after its last one ends, so that a
+    caller's next request rides the open call instead of opening one on each hop (a new
+    call's first message waits about 0.3-0.6 ms to leave and its handler as long again to
+    start). Then it half-closes and takes no more, and the service ends the call (so that the
+    channel of a service that left can close: the router's peers.py); the next generation
+    opens a new call. A service that drains says so (GenerateManyEvents.draining): the call
+    then takes no more and half-closes once its generations have ended, without lingering. A
+    call that breaks fails every generation on it with its status."""
 
     def __init__(
         self,
         start: Callable[[AsyncIterator[Message]], Any],
         message_type: type[Message],
         service: str,
+        linger_s: float = IDLE_LINGER_S,
     ) -> None:
         """start: the stub's GenerateMany (given the messages to send); message_type: what it
-        takes; service: who answers, as a message names it ("the router")."""
+        takes; service: who answers, as a message names it ("the router"); linger_s: how long
+        it stays open with no generation."""
         self.takes_more = True
         """False once it has half-closed, or broke: generations go to a new call."""
         self._message_type: type[Message] = message_type
@@ -61,6 +70,9 @@ class GenerateManyCall(Generic[Message]):
         self._outbox: asyncio.Queue[Message | None] = asyncio.Queue()
         self._inboxes: dict[int, asyncio.Queue[Item]] = {}
         self._numbers = itertools.count(1)
+        self._linger_s = linger_s
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._half_closed = False
         self._call = open_stream(start, self._messages())
         self.ended = asyncio.create_task(self._read())
         """Done when the call has ended."""
@@ -68,6 +80,7 @@ class GenerateManyCall(Generic[Message]):
     def generate(self, opening: Message, time_left: float | None) -> Generation:
         """Opens a generation: `opening` holds its request; its number, `time_left` (seconds;
         None: no deadline) and the current trace context are filled in here."""
+        self._stop_idle_timer()
         stream_id = next(self._numbers)
         inbox = self._inboxes[stream_id] = asyncio.Queue()
         opening.stream_id = stream_id
@@ -84,11 +97,35 @@ class GenerateManyCall(Generic[Message]):
             self._outbox.put_nowait(self._message_type(stream_id=stream_id, cancel=cancel))
 
     def release(self, stream_id: int) -> None:
-        """Forgets a generation; after the last one the call half-closes."""
-        if self._inboxes.pop(stream_id, None) is None or self._inboxes or not self.takes_more:
+        """Forgets a generation; after the last one the call half-closes, `linger_s` later
+        unless another opened meanwhile, at once when the service is draining."""
+        if self._inboxes.pop(stream_id, None) is None or self._inboxes:
             return
+        if self.takes_more:
+            loop = asyncio.get_running_loop()
+            self._idle_timer = loop.call_later(self._linger_s, self._half_close)
+        else:
+            self._half_close()
+
+    def finish(self) -> None:
+        """Takes no more generations: half-closes once those open have ended (now when none
+        is), without lingering."""
         self.takes_more = False
-        self._outbox.put_nowait(None)
+        self._stop_idle_timer()
+        if not self._inboxes:
+            self._half_close()
+
+    def _half_close(self) -> None:
+        self._idle_timer = None
+        self.takes_more = False
+        if not self._half_closed:
+            self._half_closed = True
+            self._outbox.put_nowait(None)
+
+    def _stop_idle_timer(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
 
     async def _messages(self) -> AsyncIterator[Message]:
         while (message := await self._outbox.get()) is not None:
@@ -103,10 +140,13 @@ class GenerateManyCall(Generic[Message]):
                 for item in message.events:
                     if (inbox := self._inboxes.get(item.stream_id)) is not None:
                         inbox.put_nowait(_event_or_error(item))
+                if message.draining and self.takes_more:
+                    self.finish()
         except grpc.aio.AioRpcError as error:
             failure = error
         finally:
             self.takes_more = False
+            self._stop_idle_timer()
             for inbox in self._inboxes.values():  # an error each: callers may rename theirs
                 ended = Unavailable(f"{self._service} ended its GenerateMany stream")
                 inbox.put_nowait(ended if failure is None else error_from_rpc(failure))
@@ -147,7 +187,7 @@ class Generation:
 
     async def next_event(self) -> common_pb2.GenerateEvent | None:
         """Its next event; None once it has ended or was cut. Once it has ended the call
-        forgets it (the call half-closes after its last one)."""
+        forgets it (the call half-closes a while after its last one)."""
         if self.ended or self._cut:
             return None
         item = await self._next()

@@ -39,6 +39,7 @@ class GenerationMux(Generic[Event]):
         self._running: dict[int, asyncio.Task[None]] = {}
         self._cancels: dict[int, asyncio.Event] = {}
         self._no_more = False
+        self._flush = False
 
     def open(self, stream_id: int, generation: Generation[Event]) -> None:
         """Starts a generation under `stream_id`; one whose id is still open is refused with
@@ -65,13 +66,19 @@ class GenerationMux(Generic[Event]):
         self._no_more = True
         self._wake.set()
 
+    def flush(self) -> None:
+        """Has `batches()` hand out a batch now, even an empty one (for news of the caller's
+        own to go out beside it)."""
+        self._flush = True
+        self._wake.set()
+
     async def batches(self) -> AsyncIterator[list[tuple[int, Event | KvmeshError]]]:
         """Everything ready since the last batch, as it becomes ready."""
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._ready:
-                batch, self._ready = self._ready, []
+            if self._ready or self._flush:
+                batch, self._ready, self._flush = self._ready, [], False
                 yield batch
             if self._no_more and not self._running and not self._ready:
                 return

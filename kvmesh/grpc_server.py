@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import errno
 import gc
 import inspect
@@ -143,10 +144,21 @@ def _requests(request_or_iterator: Any, streaming: bool) -> Any:
     return _checked_stream(request_or_iterator) if streaming else _checked(request_or_iterator)
 
 
+SERVER_DRAINING: contextvars.ContextVar[asyncio.Event] = contextvars.ContextVar("server_draining")
+"""Set in each call's handler to its server's drain (grpc takes no new calls from then), so
+that a call kept open between requests (a GenerateMany call: kvmesh/serve_many.py) can tell
+its caller, who then half-closes it instead of holding the drain for its grace."""
+
+
 def _wrap_unary(
-    behavior: Callable[..., Awaitable[Any]], method: str, streaming: bool, guard: MeshGuard | None
+    behavior: Callable[..., Awaitable[Any]],
+    method: str,
+    streaming: bool,
+    guard: MeshGuard | None,
+    draining: asyncio.Event,
 ) -> Callable[..., Any]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        SERVER_DRAINING.set(draining)  # the call's own task: its context is the call's alone
         try:
             if guard is not None:
                 await _admitted(guard, method, context, request if streaming else None)
@@ -190,11 +202,12 @@ def _wrap_stream(
     method: str,
     streaming: bool,
     guard: MeshGuard | None,
+    draining: asyncio.Event,
 ) -> Callable[..., Any]:
     if not inspect.isasyncgenfunction(behavior):
         # A servicer that writes with context.write (grpc's own health Watch) returns a coroutine.
-        return _wrap_unary(behavior, method, streaming, guard)
-    return _wrap_unary(_written(behavior), method, streaming, guard)
+        return _wrap_unary(behavior, method, streaming, guard, draining)
+    return _wrap_unary(_written(behavior), method, streaming, guard, draining)
 
 
 def _written(behavior: Callable[..., AsyncGenerator[Any]]) -> Callable[..., Awaitable[None]]:
@@ -235,7 +248,10 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     The guard runs in the handler, not here: a TLS caller's certificate is only on the call's
     context."""
 
-    def __init__(self, guard: MeshGuard | None = None) -> None:
+    def __init__(self, draining: asyncio.Event, guard: MeshGuard | None = None) -> None:
+        """draining: set once the server takes no new calls (each call's handler sees it:
+        SERVER_DRAINING)."""
+        self._draining = draining
         self._guard = guard
 
     async def intercept_service(
@@ -251,20 +267,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             "request_deserializer": _tolerant(handler.request_deserializer),
             "response_serializer": handler.response_serializer,
         }
+        of_server = (self._guard, self._draining)  # what each call's handler is given
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method, False, self._guard), **codec
+                _wrap_unary(handler.unary_unary, method, False, *of_server), **codec
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method, True, self._guard), **codec
+                _wrap_unary(handler.stream_unary, method, True, *of_server), **codec
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method, False, self._guard), **codec
+                _wrap_stream(handler.unary_stream, method, False, *of_server), **codec
             )
         return grpc.stream_stream_rpc_method_handler(
-            _wrap_stream(handler.stream_stream, method, True, self._guard), **codec
+            _wrap_stream(handler.stream_stream, method, True, *of_server), **codec
         )
 
 
@@ -317,6 +334,8 @@ class GrpcServer:
     _server: grpc.aio.Server | None = None
     _health: health.aio.HealthServicer = field(default_factory=health.aio.HealthServicer)
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    _draining: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when grpc stops taking new calls (after the pause for load balancers)."""
 
     @property
     def serving(self) -> bool:
@@ -337,7 +356,7 @@ class GrpcServer:
             ensure_port_free(self.config.host, self.config.metrics_port, "--metrics-port")
         logging.getLogger(GRPC_AIO_LOGGER).addFilter(ENDED_CALL_FILTER)
         server = grpc.aio.server(
-            interceptors=[TracingInterceptor(), ErrorInterceptor(self.guard)],
+            interceptors=[TracingInterceptor(), ErrorInterceptor(self._draining, self.guard)],
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -395,6 +414,7 @@ class GrpcServer:
         self._stopping.set()
         await self._health.enter_graceful_shutdown()
         await asyncio.sleep(self.shutdown_delay_s)
+        self._draining.set()
         await self._server.stop(self.config.grace_s if grace is None else grace)
         for hook in self.on_stop:
             await hook()

@@ -17,9 +17,10 @@ from typing import Any
 
 import grpc
 
-from kvmesh.errors import InvalidArgument, KvmeshError
+from kvmesh.errors import InvalidArgument, KvmeshError, Unavailable
 from kvmesh.generate_many import Message
 from kvmesh.generation_mux import GenerationMux
+from kvmesh.grpc_server import SERVER_DRAINING
 from kvmesh.rpc_status import to_status_proto
 from kvmesh.server_tracing import server_span
 from kvmesh.v1 import common_pb2
@@ -43,23 +44,37 @@ async def serve_many(
 ) -> AsyncIterator[common_pb2.GenerateManyEvents]:
     """A GenerateMany call's answer: opens and cancels its generations as their messages
     arrive, sends what they produced as it is ready, and ends once the caller has half-closed
-    and every generation has ended. Each generation runs under a server span named `method`,
-    as its own call's would be. Leaving it early cancels every generation still running, and
-    so does the end of the RPC (gRPC may drop a handler whose caller went away without
-    resuming it): `spawn` runs that in the background."""
+    and every generation has ended. Once its server drains (SERVER_DRAINING) every message
+    says so, the first at once: the caller, who keeps an idle call open a while for its next
+    request (kvmesh/generate_many.py), then half-closes it instead of holding the drain, and
+    a request it sent before it knew is refused with UNAVAILABLE, as a new call would be.
+    Each generation runs under a server span named `method`, as its own call's would be.
+    Leaving it early cancels every generation still running, and so does the end of the RPC
+    (gRPC may drop a handler whose caller went away without resuming it): `spawn` runs that
+    in the background."""
     mux: GenerationMux[common_pb2.GenerateEvent] = GenerationMux()
     context.add_done_callback(lambda _: spawn(mux.close()))
+    draining = SERVER_DRAINING.get(asyncio.Event())
     opened = functools.partial(_spanned, method, generation)
-    reader = asyncio.create_task(_read(first, messages, mux, opened))
+    reader = asyncio.create_task(_read(first, messages, mux, opened, draining))
+    notice = asyncio.create_task(_flush_once(draining, mux))
     try:
         async for batch in mux.batches():
             yield common_pb2.GenerateManyEvents(
-                events=[_generation_event(stream_id, item) for stream_id, item in batch]
+                events=[_generation_event(stream_id, item) for stream_id, item in batch],
+                draining=draining.is_set(),
             )
         await reader  # its failure (a message that could not be decoded) ends the call
     finally:
         reader.cancel()
+        notice.cancel()
         await mux.close()
+
+
+async def _flush_once(draining: asyncio.Event, mux: GenerationMux[Any]) -> None:
+    """Sends the drain's notice as soon as it starts, with whatever is ready."""
+    await draining.wait()
+    mux.flush()
 
 
 Opened = Callable[[Message, asyncio.Event], AsyncIterator[common_pb2.GenerateEvent]]
@@ -71,11 +86,12 @@ async def _read(
     messages: AsyncIterator[Message],
     mux: GenerationMux[common_pb2.GenerateEvent],
     generation: Opened[Message],
+    draining: asyncio.Event,
 ) -> None:
     try:
-        _dispatch(first, mux, generation)
+        _dispatch(first, mux, generation, draining)
         async for message in messages:
-            _dispatch(message, mux, generation)
+            _dispatch(message, mux, generation, draining)
     finally:
         mux.no_more()
 
@@ -84,9 +100,12 @@ def _dispatch(
     message: Message,
     mux: GenerationMux[common_pb2.GenerateEvent],
     generation: Opened[Message],
+    draining: asyncio.Event,
 ) -> None:
     kind = message.WhichOneof("message")
-    if kind == "request":
+    if kind == "request" and draining.is_set():
+        mux.fail(message.stream_id, Unavailable("the server is draining: retry on another"))
+    elif kind == "request":
         mux.open(message.stream_id, functools.partial(generation, message))
     elif kind == "cancel":
         reason = message.cancel.reason or "no reason given"

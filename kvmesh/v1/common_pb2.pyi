@@ -1092,6 +1092,12 @@ class GenerateManyEvents(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EVENTS_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    draining: _builtins.bool
+    """The service is draining: it finishes the generations open on this call and refuses new
+    ones (UNAVAILABLE); the caller opens its next ones elsewhere and half-closes this call
+    (which the service ends once every generation on it has ended).
+    """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerationEvent]:
         """The events."""
@@ -1100,10 +1106,11 @@ class GenerateManyEvents(_message.Message):
         self,
         *,
         events: _abc.Iterable[Global___GenerationEvent] | None = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "events", b"events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

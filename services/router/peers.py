@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,6 +36,9 @@ class Peers:
     _channels: dict[tuple[str, bool], grpc.aio.Channel] = field(default_factory=dict)
     _closing: dict[grpc.aio.Channel, asyncio.Task[None]] = field(default_factory=dict)
     """Retired channels, each closing once its calls have ended."""
+    on_retire: list[Callable[[str], None]] = field(default_factory=list)
+    """Told each retired address first: whoever keeps an idle call open on its channels
+    (GrpcWorkers' GenerateMany call) ends it, so that the channel can close."""
 
     def _channel(self, address: str, traced: bool) -> grpc.aio.Channel:
         channel = self._channels.get((address, traced))
@@ -62,6 +66,8 @@ class Peers:
     def retire(self, address: str) -> None:
         """Takes `address`'s channels out of use (a call to it later opens a new one) and closes
         each when its running calls have ended (grpc's close grace), at most RETIRED_GRACE_S."""
+        for told in self.on_retire:
+            told(address)
         for traced in (True, False):
             channel = self._channels.pop((address, traced), None)
             if channel is not None:

@@ -59,6 +59,7 @@ class GrpcWorkers:
     def __init__(self, peers: Peers) -> None:
         self._peers = peers
         self._calls: dict[str, GenerateManyCall[common_pb2.GenerateManyMessage]] = {}
+        peers.on_retire.append(self._finish_call)
 
     async def colocated(
         self, address: str, request: common_pb2.InferenceRequest, time_left: float | None
@@ -79,6 +80,11 @@ class GrpcWorkers:
             raise _named(error, "Generate", address) from None
         finally:
             generation.close("the router closed the generation")
+
+    def _finish_call(self, address: str) -> None:
+        """A departed worker's call takes no more and ends with its last generation."""
+        if (call := self._calls.pop(address, None)) is not None:
+            call.finish()
 
     def _forget(self, address: str, call: GenerateManyCall[common_pb2.GenerateManyMessage]) -> None:
         """Drops an ended call (a departed worker's would stay otherwise)."""

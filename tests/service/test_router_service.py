@@ -303,8 +303,8 @@ async def test_colocated_requests_share_one_stream_to_their_worker_while_any_run
     )
     assert [result.token_ids for result in results] == expected
     assert all(r.started.placement.prefill_worker == mesh.address("c0") for r in results)
-    # The stream ended with its last generation: the worker's channel, once retired, has
-    # no call left to wait for.
+    # The stream, idle since its last generation ended, ends when the worker's channel is
+    # retired: the channel has no call left to wait for.
     mesh.router.peers.retire(mesh.address("c0"))
 
     async def closed() -> bool:
