@@ -80,6 +80,10 @@ PANELS_BY_DEFAULT_LANES = frozenset({8, 16})
 # rows 0.86-0.88x, 64 rows 0.95-0.96x, 2 rows and prefill steps of 128-200 tokens a tie; the
 # AVX2 build streams steps of up to 128 rows only, since larger ones took 1.02-1.04x the time
 # streamed (panel_linear.c).
+EVEN_TILES_VENDORS = frozenset({"GenuineIntel"})
+"""CPUs whose panel kernel runs a step's rows in even row tiles (kernels/panel_linear.c's
+EVEN_TILES: on an Intel Xeon a 32-row decode step 0.97-0.98x the time of 14 + 14 + 4 rows;
+on an AMD EPYC Zen 4 even tiles were slower)."""
 PREFETCH_BY_DEFAULT = frozenset(
     {("GenuineIntel", 8), ("GenuineIntel", 16), ("AuthenticAMD", 8), ("AuthenticAMD", 16)}
 )
@@ -614,7 +618,7 @@ def bfloat16_panels(num_threads: int) -> PanelLinear | None:
     None (oneDNN alone; a panel library that cannot be built is logged by the float32
     models' choice, not here)."""
     try:
-        library = load_library("panel_linear")
+        library = panel_library()
     except KernelUnavailable:
         return None
     library.panel_linear_bfloat16_built.restype = ctypes.c_int
@@ -781,6 +785,12 @@ def load_linear_kernel(num_threads: int, large_mode: str = "torch") -> SmallBatc
     return SmallBatchLinear(library, num_threads, large=large, crossover=crossover)
 
 
+def panel_library() -> ctypes.CDLL:
+    """The panel kernel's library, built for this CPU's vendor (EVEN_TILES_VENDORS)."""
+    even_tiles = cpu_vendor() in EVEN_TILES_VENDORS
+    return load_library("panel_linear", ("EVEN_TILES",) if even_tiles else ())
+
+
 def large_product(mode: str, lanes: int, num_threads: int) -> LaidOutLinear | None:
     """The product of the larger steps for EngineConfig.large_batch_linear: "panels" the panel
     kernel ("panels-prefetch" prefetching), "onednn" PackedLinear, "torch" None (torch's
@@ -794,7 +804,7 @@ def large_product(mode: str, lanes: int, num_threads: int) -> LaidOutLinear | No
         default = "onednn" if onednn_available() else "torch"
         mode = panels if lanes in PANELS_BY_DEFAULT_LANES else default
     if mode in ("panels", "panels-prefetch"):
-        return PanelLinear(load_library("panel_linear"), num_threads, mode == "panels-prefetch")
+        return PanelLinear(panel_library(), num_threads, mode == "panels-prefetch")
     return PackedLinear() if mode == "onednn" else None
 
 

@@ -306,9 +306,13 @@ def test_prefetching_its_next_panel_changes_no_bit_of_the_panel_kernels_product(
             assert torch.equal(prefetching(module.weight, x, None, module.bias), expected)
 
 
-def panel_row_tiles(rows: int) -> list[int]:
-    """The row tiles the panel kernel runs `rows` rows of a panel in."""
-    library = load_library("panel_linear")
+BUILDS = {"plain": (), "even tiles": ("EVEN_TILES",)}
+"""The panel kernel's builds: AMD's, and Intel's (linear_kernel.panel_library)."""
+
+
+def panel_row_tiles(rows: int, defines: tuple[str, ...]) -> list[int]:
+    """The row tiles the panel kernel's build runs `rows` rows of a panel in."""
+    library = load_library("panel_linear", defines)
     library.panel_linear_tile_rows.restype = ctypes.c_int64
     library.panel_linear_tile_rows.argtypes = [ctypes.c_int64]
     tiles: list[int] = []
@@ -317,24 +321,50 @@ def panel_row_tiles(rows: int) -> list[int]:
     return tiles
 
 
-def test_row_tiles_are_even_on_avx2_where_every_tile_keeps_5_rows_or_more() -> None:
-    """On AVX2 (6-row tiles) 32 rows run as 6+6+5+5+5+5, not 6+6+6+6+6+2, but 13 rows as
-    6+6+1, since 5+4+4 was slower; AVX-512's 14-row tiles stay whole, a remainder last, but
-    for a last tile of one row: 15 rows run as 8+7."""
-    library = load_library("panel_linear")
+@pytest.mark.parametrize("build", BUILDS)
+def test_row_tiles_are_even_on_avx2_where_every_tile_keeps_5_rows_or_more(build: str) -> None:
+    """On AVX2 (6-row tiles, either build) 32 rows run as 6+6+5+5+5+5, not 6+6+6+6+6+2, but 13
+    rows as 6+6+1, since 5+4+4 was slower; AVX-512's 14-row tiles stay whole, a remainder
+    last, but for a last tile of one row: 15 rows run as 8+7; and in the build for Intel
+    CPUs they are even where every tile keeps 10 rows or more: 32 rows as 11+11+10."""
+    defines = BUILDS[build]
+    library = load_library("panel_linear", defines)
     library.panel_linear_width.restype = ctypes.c_int
     if library.panel_linear_width() == 16:  # AVX2: 6-row tiles
         expected = {1: [1], 6: [6], 7: [6, 1], 10: [5, 5], 13: [6, 6, 1], 20: [5, 5, 5, 5]}
         expected[32] = [6, 6, 5, 5, 5, 5]
-    else:  # AVX-512: 14-row tiles
+    elif not defines:  # AVX-512: 14-row tiles
         expected = {1: [1], 13: [13], 14: [14], 15: [8, 7], 16: [14, 2], 20: [14, 6]}
         expected |= {28: [14, 14], 29: [14, 8, 7], 32: [14, 14, 4]}
-    assert {rows: panel_row_tiles(rows) for rows in expected} == expected
+    else:  # AVX-512, even from 10 rows
+        expected = {1: [1], 13: [13], 14: [14], 15: [8, 7], 16: [14, 2], 20: [10, 10]}
+        expected |= {28: [14, 14], 29: [14, 8, 7], 32: [11, 11, 10], 64: [13, 13, 13, 13, 12]}
+    assert {rows: panel_row_tiles(rows, defines) for rows in expected} == expected
 
 
+@pytest.mark.parametrize(
+    ("vendor", "defines"), [("GenuineIntel", ("EVEN_TILES",)), ("AuthenticAMD", ())]
+)
+def test_the_panel_kernel_is_built_for_the_cpus_vendor(
+    monkeypatch: pytest.MonkeyPatch, vendor: str, defines: tuple[str, ...]
+) -> None:
+    monkeypatch.setattr(linear_kernel, "cpu_vendor", lambda: vendor)
+    built: list[tuple[str, tuple[str, ...]]] = []
+
+    def load(name: str, given: tuple[str, ...] = ()) -> None:
+        built.append((name, given))
+
+    monkeypatch.setattr(linear_kernel, "load_library", load)
+    linear_kernel.panel_library()
+    assert built == [("panel_linear", defines)]
+
+
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_a_rows_product_is_the_same_bit_for_bit_whatever_tile_it_falls_in(prefetch: bool) -> None:
-    panels = PanelLinear(load_library("panel_linear"), 2, prefetch)
+def test_a_rows_product_is_the_same_bit_for_bit_whatever_tile_it_falls_in(
+    prefetch: bool, build: str
+) -> None:
+    panels = PanelLinear(load_library("panel_linear", BUILDS[build]), 2, prefetch)
     generator = torch.Generator().manual_seed(5)
     module = linear(96, 100, generator, bias=True)
     x = torch.randn(41, 96, generator=generator)

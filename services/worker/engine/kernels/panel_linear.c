@@ -48,7 +48,9 @@
  * the panel in L1 (128 inputs): the tile's loads held it back, not the threads or the caches.
  * On a Zen 5, whose AVX-512 is full width, whole steps took the same time with 14- and 8-row
  * tiles (two processes each, alternated: a 32-row decode step 33.3-35.4 vs 32.8-33.7 ms, a
- * 512-token prefill step 268-279 vs 271-279). Not measured on an Intel Xeon. */
+ * 512-token prefill step 268-279 vs 271-279). On an Intel Xeon (family 6 model 167) they
+ * are the fastest with even tiles (EVEN_TILES, below); with 14 + 14 + 4 rows a 32-row decode
+ * step took 1.03x the time of 8-row tiles. */
 #define TILE_ROWS 14
 #define SHORT_TILES(CASE)                                                                    \
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8) CASE(9) CASE(10)         \
@@ -100,6 +102,16 @@ int panel_linear_width(void) { return PANEL; }
 #if TILE_ROWS == 6
 #define EVEN_TILE_ROWS_MIN 5
 #define LAST_TILE_ROWS_MIN 1
+#elif defined(EVEN_TILES)
+/* The build for Intel CPUs (linear_kernel.panel_library): AVX-512's 14-row tiles even from 10
+ * rows (32 rows as 11+11+10, not 14+14+4). Whole steps of SmolLM2-135M on an Intel Xeon,
+ * family 6 model 167 (2 cores), fastest of 12, two processes of each alternated: 32-row
+ * decode 66.95-67.11 ms against 68.68-69.47 (with 16-token contexts 46.7-47.4 against
+ * 48.5-50.1), 64 rows 117.8-119.5 against 119.1-119.5, a 128-token prefill 118.5-119.4
+ * against 120.4-121.7, 24 rows a tie; 8-row tiles took 67.4 ms at 32 rows but 122.3-123.2 at
+ * the 128-token prefill. */
+#define EVEN_TILE_ROWS_MIN 10
+#define LAST_TILE_ROWS_MIN 2
 #else
 /* With AVX-512's 14-row tiles, on the Zen 4 of TILE_ROWS' note, even tiles were slower (20
  * rows as 10+10 0.79-0.80 ms against 0.72 as 14+6, 32 rows 1.28 against 1.21) but for a last
