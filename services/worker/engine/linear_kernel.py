@@ -68,6 +68,10 @@ PANEL_MIN_ROWS = 2
 # prefill 0.83-0.85x the time, 128 tokens 0.76-0.82x, 64 tokens beside 16 decode rows 0.72x,
 # decode steps of 2-4 rows 0.85-0.95x, of 8-16 rows 0.98-1.04x, of 32-64 rows 0.77-0.93x.
 PANELS_BY_DEFAULT_LANES = frozenset({8, 16})
+# The CPUs, by vendor, whose panel kernel runs a step's rows in even row tiles
+# (kernels/panel_linear.c's EVEN_TILES build): on an Intel Xeon a 32-row decode step
+# 0.97-0.98x the time of 14 + 14 + 4 rows; on an AMD EPYC Zen 4 even tiles were slower.
+EVEN_TILES_VENDORS = frozenset({"GenuineIntel"})
 # The CPUs, by vendor (/proc/cpuinfo's vendor_id) and the kernels' vector width (kernel_lanes),
 # on which "auto" runs the panel kernel prefetching its next panel, its rows in blocks that
 # stay in L2 (kernels/panel_linear.c). Intel, where SmolLM2-135M's decode-size projections took
@@ -80,10 +84,6 @@ PANELS_BY_DEFAULT_LANES = frozenset({8, 16})
 # rows 0.86-0.88x, 64 rows 0.95-0.96x, 2 rows and prefill steps of 128-200 tokens a tie; the
 # AVX2 build streams steps of up to 128 rows only, since larger ones took 1.02-1.04x the time
 # streamed (panel_linear.c).
-EVEN_TILES_VENDORS = frozenset({"GenuineIntel"})
-"""CPUs whose panel kernel runs a step's rows in even row tiles (kernels/panel_linear.c's
-EVEN_TILES: on an Intel Xeon a 32-row decode step 0.97-0.98x the time of 14 + 14 + 4 rows;
-on an AMD EPYC Zen 4 even tiles were slower)."""
 PREFETCH_BY_DEFAULT = frozenset(
     {("GenuineIntel", 8), ("GenuineIntel", 16), ("AuthenticAMD", 8), ("AuthenticAMD", 16)}
 )
