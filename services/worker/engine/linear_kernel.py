@@ -69,8 +69,10 @@ PANEL_MIN_ROWS = 2
 # decode steps of 2-4 rows 0.85-0.95x, of 8-16 rows 0.98-1.04x, of 32-64 rows 0.77-0.93x.
 PANELS_BY_DEFAULT_LANES = frozenset({8, 16})
 # The CPUs, by vendor, whose panel kernel runs a step's rows in even row tiles
-# (kernels/panel_linear.c's EVEN_TILES build): on an Intel Xeon a 32-row decode step
-# 0.97-0.98x the time of 14 + 14 + 4 rows; on an AMD EPYC Zen 4 even tiles were slower.
+# (kernels/panel_linear.c's EVEN_TILES build): on an Intel Xeon (family 6 model 167) a 32-row
+# decode step 0.97-0.98x the time of 14 + 14 + 4 rows; on a model 207 guest, both builds in
+# one process alternated, min of 30, 72.5 vs 76.4 ms (medians a tie), a 128-token prefill 140
+# vs 151, 8-64 rows within 2.5%; on an AMD EPYC Zen 4 even tiles were slower.
 EVEN_TILES_VENDORS = frozenset({"GenuineIntel"})
 # The CPUs, by vendor (/proc/cpuinfo's vendor_id) and the kernels' vector width (kernel_lanes),
 # on which "auto" runs the panel kernel prefetching its next panel, its rows in blocks that
