@@ -1,6 +1,6 @@
 """bench.peers' arithmetic against the machine (the work of a step and the serving row's floor),
 the order in which the servers and the offline libraries take turns, and whose processes a
-timed region counts."""
+timed region counts, and which runs go again on a slowed host."""
 
 from __future__ import annotations
 
@@ -15,12 +15,16 @@ import bench.peers
 from bench.peers import (
     Report,
     Request,
+    Server,
     Shapes,
+    Workload,
     _ours,
     _region_line,
+    best,
     machine_probe,
     offline_turns,
     prefix_row,
+    server_rows,
     serving_prefill_floor_lines,
     settled,
     step_flops,
@@ -191,3 +195,44 @@ def test_a_region_line_gives_the_machine_probed_before_the_run() -> None:
     assert _region_line("serving vllm", {"region": region}) == (
         "serving vllm: 6.9 s, load 1.6 -> 2.0, other processes 0.03 cores"
     )
+
+
+def test_a_run_probed_on_a_slowed_host_is_run_again_and_its_figure_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The probes before the runs in the order they go: vLLM's first run after 240 GFLOP/s,
+    # under SLOW_HOST_SHARE of kvmesh's 300 before it; its repeat after 290 is calm.
+    probes = iter([300.0, 240.0, 290.0, 310.0, 250.0, 305.0])
+    tok_s = {1: 50.0, 2: 60.0, 3: 40.0, 4: 45.0}  # by prompt set: run 1, run 2, their spares
+
+    async def server_row(
+        server: _Idle, row: str, work: Workload, prompts: dict[str, Any]
+    ) -> dict[str, Any]:
+        machine = {"matmul_gflops": next(probes), "copy_gb_s": 20.0}
+        region = {"seconds": 12.0, "load_start": 1.0, "load_end": 1.2, "other_cores": 0.02}
+        return {"region": region, "machine": machine, "tok_s": tok_s[prompts["set"]]}
+
+    async def warm_up(*args: Any) -> dict[str, Any]:
+        return {}
+
+    monkeypatch.setattr(bench.peers, "_server_row", server_row)
+    monkeypatch.setattr(bench.peers, "serving_row", warm_up)
+    sets: list[dict[str, Any]] = [{"set": i, "serving": [[1]] * 4} for i in range(5)]
+    rows = {"kvmesh": ["serving"], "vllm": ["serving"]}
+    servers: list[Server] = [_Idle("kvmesh"), _Idle("vllm")]
+    results = asyncio.run(server_rows(servers, rows, Workload(runs=2), sets))
+
+    vllm = results["vllm"]["serving"]
+    # Run 1 (slowed, 50 tok/s), its repeat on the spare set, then run 2, calm at 310.
+    assert [r["tok_s"] for r in vllm] == [50.0, 40.0, 60.0]
+    assert [r["slow_host"] for r in vllm] == [True, False, False]
+    assert vllm[1]["repeat_of_disturbed"] == 0
+    # kvmesh's second run (250 against the fastest 310 before it) goes again after 305.
+    kvmesh = results["kvmesh"]["serving"]
+    assert [r["tok_s"] for r in kvmesh] == [50.0, 60.0, 45.0]
+    assert [r["slow_host"] for r in kvmesh] == [False, True, False]
+    # The slowed run's figure counts only where a row has no calm run.
+    assert best(kvmesh, "tok_s") == 50.0
+    assert best([kvmesh[1]], "tok_s") == 60.0
+    assert "**slow host**" in _region_line("serving kvmesh", kvmesh[1])
+    assert "(repeat of run 2)" in _region_line("serving kvmesh", kvmesh[2])
