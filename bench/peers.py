@@ -382,8 +382,9 @@ def offline_child(system: str, model_dir: str, spec: dict[str, Any]) -> dict[str
         with timed_region() as region:
             outputs = generate(prompts)
         run = {"region": asdict(region), "outputs": outputs, "spare": spare, "machine": machine}
-        runs.append(run | {"slow_host": slowed(machine, fastest)})
-        if calm(runs[-1]):
+        run["slow_host"] = slowed(machine, fastest)
+        runs.append(run)
+        if calm(run):
             break
     return {"runs": runs}
 
@@ -890,11 +891,12 @@ async def server_rows(
     }
     fastest = 0.0
     for run_index, row, server in turns(servers, rows, work.runs):
-        for prompts in (prompt_sets[1 + run_index], spare_set(prompt_sets, work, run_index)):
+        own, spare = prompt_sets[1 + run_index], spare_set(prompt_sets, work, run_index)
+        for repeat, prompts in enumerate((own, spare)):
             result = await _server_row(server, row, work, prompts)
             fastest = max(fastest, result["machine"]["matmul_gflops"])
             result["slow_host"] = slowed(result["machine"], fastest)
-            if prompts is not prompt_sets[1 + run_index]:
+            if repeat:
                 result["repeat_of_disturbed"] = run_index
             results[server.name][row].append(result)
             if calm(result):
