@@ -472,7 +472,7 @@ def steps_child(model_dir: str) -> dict[str, Any]:
     from services.worker.engine.config import EngineConfig
     from services.worker.engine.engine import Engine
     from services.worker.engine.loader import load_model
-    from services.worker.engine.model_runner import BatchEntry
+    from services.worker.engine.model_runner import BatchEntry, ModelRunner
 
     loaded = load_model(model_dir)
     # One runner per way the larger steps' projections run, on the same weights, measured
@@ -512,6 +512,7 @@ def steps_child(model_dir: str) -> dict[str, Any]:
     seconds = by_mode[LARGE_BATCH_MODES[0]]
     peak = 2 * PEAK_SIZE**3 / min(peak_s)
     project = runners[LARGE_BATCH_MODES[0]].project
+    block_size = runners[LARGE_BATCH_MODES[0]].block_size
     shapes = model_shapes(loaded.config)
     flops = {
         "prefill_512": step_flops(shapes, [(0, 512)], logit_rows=1),
@@ -534,6 +535,10 @@ def steps_child(model_dir: str) -> dict[str, Any]:
         "step_flops": flops,
         "shapes": asdict(shapes),
         "weight_bytes": weight_bytes(loaded),
+        # What a decode row reads of its KV: every layer's K and V of each token it attends.
+        "kv_bytes_per_token": ModelRunner.bytes_per_block(config, loaded.dtype, block_size)
+        // block_size,
+        "decode_context": context,
         "copy_bytes_per_s": copy_bandwidth(),
         "threads": torch.get_num_threads(),
     }
@@ -1352,6 +1357,7 @@ def step_lines(report: Report) -> list[str]:
         f"floor ({steps['weight_bytes'] / 1e6:.0f} MB at {steps['copy_bytes_per_s'] / 1e9:.1f} "
         f"GB/s copy bandwidth) = {one / floor:.2f}x."
     )
+    lines.append(decode_read_floor_line(steps))
     default, onednn, plain = (steps["step_s_by_large_batch_linear"][m] for m in LARGE_BATCH_MODES)
     kernel_rows = steps["small_batch_max_rows"]
     larger = [name for name in default if steps["step_rows"][name] > kernel_rows]
@@ -1390,6 +1396,21 @@ def step_lines(report: Report) -> list[str]:
             f"{rate / peak:.0%} of the peak."
         )
     return lines
+
+
+def decode_read_floor_line(steps: dict[str, Any]) -> str:
+    """The 32-row decode step against the bytes it reads: the weights once and each row's
+    context of KV. At 32 rows that read, not the matmul peak, bounds the step."""
+    rows = steps["step_rows"]["decode_32"]
+    kv = rows * (steps["decode_context"] + 1) * steps["kv_bytes_per_token"]
+    read = steps["weight_bytes"] + kv
+    floor = read / steps["copy_bytes_per_s"]
+    seconds = steps["step_s"]["decode_32"]
+    return (
+        f"- kvmesh, the 32-row decode step against what it reads: {read / 1e6:.0f} MB (the "
+        f"weights once and {kv / 1e6:.0f} MB of its rows' KV), {floor * 1000:.1f} ms at the copy "
+        f"bandwidth; the step takes {seconds / floor:.2f}x that."
+    )
 
 
 def serving_prefill_floor_lines(report: Report) -> list[str]:

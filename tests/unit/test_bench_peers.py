@@ -21,6 +21,7 @@ from bench.peers import (
     _ours,
     _region_line,
     best,
+    decode_read_floor_line,
     machine_probe,
     offline_turns,
     prefix_row,
@@ -65,6 +66,22 @@ def test_the_serving_floor_sets_the_p99_goal_against_the_burst_prefill_at_the_pe
     assert "2 ms at the peak and 4 ms at the 512-token step's rate" in line
     assert "TTFT p99 kvmesh colocated 5 ms, vllm 3 ms" in line
     assert line.endswith("the goal's 0.8x of vLLM's is 2 ms = 1.20x the time at the peak.")
+
+
+def test_the_decode_step_is_read_against_its_weights_and_its_rows_kv() -> None:
+    steps = {
+        "step_rows": {"decode_32": 2},
+        "decode_context": 3,
+        "kv_bytes_per_token": 1_000_000,
+        "weight_bytes": 2_000_000,
+        "copy_bytes_per_s": 1e9,
+        "step_s": {"decode_32": 0.015},
+    }
+    # 2 rows x (3 + 1) tokens of KV = 8 MB, and the weights: 10 MB, 10 ms at 1 GB/s.
+    assert decode_read_floor_line(steps) == (
+        "- kvmesh, the 32-row decode step against what it reads: 10 MB (the weights once and "
+        "8 MB of its rows' KV), 10.0 ms at the copy bandwidth; the step takes 1.50x that."
+    )
 
 
 def test_no_floor_without_vllm_serving_or_the_model_shapes() -> None:
