@@ -21,9 +21,13 @@ if TYPE_CHECKING:
 
 
 async def start_vllm_worker(model: Path, role: str, wire_format: str = "vllm") -> InProcessWorker:
-    """A worker on the vLLM backend (eager), one thread, a 64-block pool, on a free port."""
+    """A worker on the vLLM backend (eager), one thread, a 64-block pool, on a free port, on
+    32-token blocks (not vLLM's 128) so that the tests' short prompts span whole blocks and a
+    partial one."""
     config = load_config(WorkerConfig, worker_args(model, role))
-    engine = VllmEngine.from_config(config.engine_config, kv_wire_format=wire_format, eager=True)
+    engine = VllmEngine.from_config(
+        config.engine_config.replace(block_size=32), kv_wire_format=wire_format, eager=True
+    )
     # The servicer is typed against AsyncEngine; VllmEngine has the same API (EngineBackend).
     worker = build_worker(config, cast("AsyncEngine", engine))
     await worker.start()

@@ -14,8 +14,10 @@ import pytest_asyncio
 
 from kvmesh.config import load_config
 from services.worker.__main__ import build_worker
+from services.worker.backends.vllm_engine import VllmEngine
 from services.worker.config import WorkerConfig
 from services.worker.engine.async_engine import AsyncEngine
+from services.worker.engine.config import EngineConfig
 from tests.service.worker_mesh import (
     GREEDY,
     InProcessWorker,
@@ -60,6 +62,23 @@ async def pair(tiny_llama32_dir: Path) -> AsyncIterator[Pair]:
     yield workers
     await workers.vllm.stop()
     await workers.native.stop()
+
+
+@pytest.mark.parametrize(
+    ("configured", "wire_format", "runs"),
+    [(16, "vllm", 128), (16, "native", 32), (64, "vllm", 64), (32, "native", 32)],
+)
+async def test_vllm_takes_its_own_block_size_in_place_of_one_its_kernels_refuse(
+    tiny_llama32_dir: Path, configured: int, wire_format: str, runs: int
+) -> None:
+    """The native default of 16 becomes vLLM's own 128, or 32 in the native byte order (what
+    native workers can match); a multiple of 32 is kept."""
+    config = EngineConfig(model=str(tiny_llama32_dir), block_size=configured)
+    engine = VllmEngine.from_config(config, kv_wire_format=wire_format, eager=True)
+    try:
+        assert engine.layout.block_size == engine.config.block_size == runs
+    finally:
+        await engine.shutdown()
 
 
 async def test_colocated_vllm_matches_native_greedy(pair: Pair, tiny_llama32_dir: Path) -> None:

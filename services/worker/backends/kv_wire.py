@@ -1,9 +1,9 @@
 """Byte order of vLLM's KV blocks on the wire, and copying blocks out of / into vLLM's cache.
 
 vLLM's CPU attention keeps one tensor per layer, [num_blocks, num_kv_heads, block_size,
-2 * head_dim] in shape. Its kernels (the "vec" ISA, used for 32-token blocks without AMX)
-fill each head's slice of a block with the keys transposed, [dim][token], then the values,
-[token][dim]. A block on the wire covers every layer, in one of two byte orders:
+2 * head_dim] in shape. Its kernels (the "vec" ISA, used for blocks of a multiple of 32
+tokens without AMX) fill each head's slice of a block with the keys transposed, [dim][token],
+then the values, [token][dim]. A block on the wire covers every layer, in one of two byte orders:
 
 - "vllm": each layer's block memory exactly as vLLM holds it, layer after layer; a
   vLLM-to-vLLM hand-off copies it as is.

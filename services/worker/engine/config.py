@@ -33,7 +33,9 @@ class EngineConfig:
     """Weight quantization chosen at load time: "none" or "int8" (weight-only, per channel)."""
 
     block_size: int = 16
-    """Tokens per KV block (the unit of allocation, prefix caching and KV transfer)."""
+    """Tokens per KV block (the unit of allocation, prefix caching and KV transfer). The vLLM
+    backend runs multiples of 32 only: in place of another size it takes vLLM's own, 128 (32
+    with `--kv-wire-format native`, so that native workers can match it)."""
 
     kv_cache_bytes: int = 1 << 30
     """KV memory budget in bytes; the pool gets as many whole blocks as fit."""
