@@ -79,8 +79,9 @@ CPU_BLOCK_MULTIPLE = 32
 VLLM_BLOCK_SIZE = 128
 """vLLM's own block size on a CPU, which its server runs: its decode attention is faster on
 it than on 32-token blocks. bench.peers' serving row on an Intel Xeon (family 6 model 207, 2
-cores), `kvmesh up --engine vllm` against vLLM's own server: TPOT 106 against 101 ms and
-0.96x the output tok/s on 128-token blocks, 122 against 105 ms and 0.88x on 32."""
+cores), `kvmesh up --engine vllm` against vLLM's own server, two runs an hour apart on a
+calm host: TPOT 106 against 101 ms and 0.96x the output tok/s on 128-token blocks, 122
+against 105 ms and 0.88x on 32."""
 _FINISH_REASONS = {
     "stop": FinishReason.STOP,
     "length": FinishReason.LENGTH,
