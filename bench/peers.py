@@ -927,7 +927,8 @@ def in_turn(systems: list[T], run_index: int) -> list[T]:
 
 
 def spare_set(prompt_sets: list[dict[str, Any]], work: Workload, run_index: int) -> dict[str, Any]:
-    """The prompts a disturbed run `run_index` is repeated on."""
+    """The prompts run `run_index` is repeated on when it was not calm (disturbed, or on a
+    slowed host)."""
     return prompt_sets[1 + work.runs + run_index]
 
 
