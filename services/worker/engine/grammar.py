@@ -105,7 +105,6 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvmesh-grammar")
         self.timeout_s = timeout_s
         self._cache_entries = cache_entries
-        self._vocab_size = vocab_size
         self._lock = threading.Lock()
         self._compiled: OrderedDict[Constraint, Future[object]] = OrderedDict()
         words = -(-vocab_size // BITMASK_BITS)
@@ -183,9 +182,6 @@ class GrammarCompiler:
         compiled = self.wait(constraint)  # first: it bounds the wait for the backend too
         return self.backend().matcher(compiled)
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     # ---- the step (engine thread) -------------------------------------------------------
 
     def mask_logits(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:
@@ -194,6 +190,10 @@ class GrammarCompiler:
         rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
         if not rows:
             return
+        if len(rows) > self._bitmask.shape[0]:
+            # Imported requests join the running set past max_num_seqs (they hold their blocks
+            # already: Scheduler.add_running), so a step may have more rows than that.
+            self._bitmask = self._bitmask.new_zeros((len(rows), self._bitmask.shape[1]))
         bitmask = self._bitmask[: len(rows)]
         self.backend().fill_bitmask([m for m in matchers if m is not None], bitmask)
         with torch.inference_mode():  # the model runner's logits are inference tensors

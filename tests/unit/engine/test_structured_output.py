@@ -512,6 +512,35 @@ def test_split_prefill_and_decode_equals_colocated(
     assert decode.pool.num_free_blocks == decode.pool.num_blocks
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_imports_past_max_num_seqs_are_all_masked(tiny_loaded: LoadedModel, backend: str) -> None:
+    """Imported requests join the running set whatever max_num_seqs says (they hold their
+    blocks already), so a decode step can mask more constrained rows than max_num_seqs: each
+    still ends as the colocated run does."""
+    constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMAS["nested_object"]))
+    requests = [EngineRequest(f"r{i}", prompt(5 + i), sampling(None, constraint)) for i in range(3)]
+    colocated = drive(make_engine(tiny_loaded, backend), {0: requests})
+    prefill = make_engine(tiny_loaded, backend)
+    decode = make_engine(tiny_loaded, backend, max_num_seqs=2)
+    for request in requests:
+        prefill.add_request(request, hold_after_prefill=True)
+        (first,) = prefill.step()
+        handle = prefill.take_handle(request.request_id)
+        assert handle is not None
+        plan = decode.start_import(request, handle.block_hashes, handle.num_tokens)
+        blobs = prefill.export_blocks(handle.handle_id, plan.missing_indices)
+        for index, blob in zip(plan.missing_indices, blobs, strict=True):
+            decode.write_imported_block(plan, index, blob)
+        decode.commit_import(plan, first.new_token_ids[0])
+        prefill.release(handle.handle_id)
+    rest = drive(decode, {0: []})
+    for request in requests:
+        name = request.request_id
+        assert rest[name].finish_reason is FinishReason.STOP, rest[name]
+        assert rest[name].token_ids == colocated[name].token_ids[1:]
+    assert decode.pool.num_free_blocks == decode.pool.num_blocks
+
+
 CALL_BEGIN, CALL_END = "<tool_call>\n", "\n</tool_call>"
 CALL_SCHEMA = SCHEMAS["enum_and_const"]
 
