@@ -537,9 +537,7 @@ class VllmEngine:
         key = uuid.uuid4().hex
         self._files.create(key, len(expected))
         missing = list(range(reused, len(expected)))
-        plan = ImportPlan(
-            req.request_id, missing, list(range(len(expected))), list(expected), num_tokens, req
-        )
+        plan = ImportPlan(req.request_id, missing, list(range(len(expected))), num_tokens, req)
         self._imports[req.request_id] = _Import(plan, key, reused)
         return plan
 

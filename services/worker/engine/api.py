@@ -164,7 +164,6 @@ class ImportPlan:
     # Indices (into block_ids) of the blocks to pull, in lease order.
     missing_indices: list[int]
     block_ids: list[int]
-    block_hashes: list[bytes]
     num_tokens: int
     request: EngineRequest
     written: set[int] = field(default_factory=set)

@@ -1,11 +1,11 @@
 """Causal attention over a paged KV cache for a varlen batch (decode tokens + prefill chunks).
 
 The batch's tokens are laid out decode entries first (one token each, longest context first),
-then each prefill chunk as a contiguous run of rows. On CPU in float32, all decodes go through
-one call of the C kernel, which reads each row's blocks in place (decode_kernel.py). Elsewhere
-they are attended in groups of similar context length, one padded, masked SDPA call per group
-(the planner trades padding against calls). Each prefill chunk gets its own attention (its
-queries would make a padded batch mostly padding): on CPU in float32 one call of the C
+then each prefill chunk as a contiguous run of rows. On CPU (float32 or bfloat16), all decodes
+go through one call of the C kernel, which reads each row's blocks in place (decode_kernel.py).
+Elsewhere they are attended in groups of similar context length, one padded, masked SDPA call
+per group (the planner trades padding against calls). Each prefill chunk gets its own attention
+(its queries would make a padded batch mostly padding): on CPU one call of the C
 prefill kernel, which reads the chunk's whole context through its block table
 (prefill_kernel.py); without it, on CPU, a chunk after a cached prefix attends to the prefix
 and to itself in two flash-attention calls merged by their log-sum-exps, where one masked call
@@ -93,7 +93,7 @@ class KernelDecode:
 class AttentionBatch:
     slots: torch.Tensor  # [T] flat cache slot (block * block_size + offset) of every token
     # Rotates each layer's Q/K and writes its K/V into the cache in one pass when given
-    # (CPU float32); torch's ops otherwise (models/llama.py: rotate_and_store).
+    # (CPU float32 or bfloat16); torch's ops otherwise (models/llama.py: rotate_and_store).
     rope_store: RopeStoreKernel | None
     # The decode rows go one of two ways: groups for SDPA, or all at once through the kernel.
     decode_groups: list[DecodeGroup]

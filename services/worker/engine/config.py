@@ -25,9 +25,9 @@ class EngineConfig:
 
     dtype: str = "auto"
     """Weights, activations and KV: "float32", "bfloat16", "float16", or "auto" (float32 on
-    CPU, where the C kernels run; bfloat16 on CUDA). bfloat16 on a CPU with AMX or AVX-512
-    BF16 is an option that changes the greedy tokens: its projections run on oneDNN, the
-    rest on torch's ops (BENCHMARKS.md, "Peers ... in bfloat16")."""
+    CPU; bfloat16 on CUDA). bfloat16 on a CPU with AMX or AVX-512 BF16 is an option that
+    changes the greedy tokens: the C kernels run their bfloat16 builds, its larger steps'
+    projections the panel kernel's or oneDNN's (BENCHMARKS.md, "Peers ... in bfloat16")."""
 
     quantization: str = "none"
     """Weight quantization chosen at load time: "none" or "int8" (weight-only, per channel)."""
@@ -80,7 +80,8 @@ class EngineConfig:
     small_batch_linear: str = "auto"
     """How projections of steps with few rows (batch-1 decode and the like) run: "kernel"
     (the C matrix-vector kernel, CPU float32, and a bfloat16 model's steps of up to 4 rows,
-    1 without AVX-512 BF16: linear_kernel.BFLOAT16_SMALL_MAX_ROWS; compiled on first use),
+    3 beside the panel kernel, 1 without AVX-512 BF16: linear_kernel.BFLOAT16_SMALL_MAX_ROWS
+    and BFLOAT16_SMALL_MAX_ROWS_BESIDE_PANELS; compiled on first use),
     "torch" (torch's matmul; oneDNN for a bfloat16 model), or "auto" (the kernel where it
     applies and a C compiler is present)."""
 

@@ -248,10 +248,7 @@ def expressible(model: torch.nn.Module) -> TypeGuard[LlamaModel]:
     layers = model.decoder_layers()
     return len(layers) == len(model.layers) and all(
         layer.q_norm is None
-        and all(
-            kernel_weights(m) is not None
-            for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
-        )
+        and all(kernel_weights(m) is not None for m in layer_projections(layer))
         for layer in layers
     )
 

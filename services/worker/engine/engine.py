@@ -256,7 +256,7 @@ class Engine:
         self._check_new(req, max_new_tokens=req.sampling.max_tokens)
         state = self._new_state(req, hold_after_prefill=False)
         block_ids, missing = self.kv.start_import(state, block_hashes, num_tokens)
-        plan = ImportPlan(req.request_id, missing, block_ids, list(block_hashes), num_tokens, req)
+        plan = ImportPlan(req.request_id, missing, block_ids, num_tokens, req)
         self._imports[req.request_id] = (plan, state)
         return plan
 

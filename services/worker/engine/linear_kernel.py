@@ -10,8 +10,8 @@ oneDNN, they run as oneDNN's matmul on weights reordered once into its blocked l
 (PackedLinear), which skips the packing that torch's matmul does on every call and, on an
 AVX-512 CPU, runs oneDNN's AVX-512 code where torch's MKL product keeps to AVX2 on AMD (AMD
 EPYC Zen 5, 2 cores, side by side: 512-token prefill steps 0.45x the time, 32-row decode
-steps 0.78x, 64-row 0.52x). Where the kernels are built for AVX-512 they run on the panel
-kernel instead (PanelLinear, kernels/panel_linear.c), faster again there, except the row
+steps 0.78x, 64-row 0.52x). Where the kernels are built for AVX-512 or AVX2 they run on the
+panel kernel instead (PanelLinear, kernels/panel_linear.c), faster again there, except the row
 counts from which oneDNN measures faster on the machine (linear_crossover.py). Without either,
 steps of up to TRANSPOSED_MAX_ROWS rows use torch's transposed product, larger ones its plain
 product.
@@ -53,8 +53,6 @@ _PLACED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 # rows (48: 121 vs 143 ms, 64: 175 vs 170), with AVX-512's 16 up to 16 (AMD EPYC Zen 4; on
 # Zen 5 oneDNN is as fast from 12 rows), where oneDNN runs AVX-512 code too.
 MAX_ROWS_BY_LANES = {8: 48, 16: 16}
-# For a vector width not measured (NEON's 4 floats).
-DEFAULT_MAX_ROWS = 16
 # Where the larger steps run on the panel kernel, float32 steps of this many rows or more run
 # there too: it took the small-batch kernel's place from 2 rows (measured after the limits
 # above, which were set against oneDNN). Decode steps of SmolLM2-135M (200-token contexts, AMD
@@ -168,7 +166,7 @@ class SmallBatchLinear:
         self.input_function.argtypes = _INPUT_ARGTYPES
         self.num_threads = num_threads
         if max_rows is None:
-            max_rows = MAX_ROWS_BY_LANES.get(kernel_lanes(library), DEFAULT_MAX_ROWS)
+            max_rows = MAX_ROWS_BY_LANES[kernel_lanes(library)]
         self.max_rows = max_rows
 
     @property
@@ -746,8 +744,8 @@ def kernel_weights(
     module: nn.Module,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
     """(weight, bfloat16 scales for int8 weights, bias) of a projection the kernel computes, or
-    None. The tensors are on the CPU: the engine only chooses the kernel for a CPU float32
-    model."""
+    None. The tensors are on the CPU: the engine only chooses the kernel for a CPU model
+    (float32, or bfloat16 on its bfloat16 builds)."""
     if type(module) is nn.Linear:
         if module.weight.is_contiguous():
             return module.weight, None, module.bias

@@ -33,6 +33,7 @@ from kvmesh.contracts.model_files import (
     resolve_model_path,
 )
 from kvmesh.contracts.tokenizer import Tokenizer
+from services.worker.engine.config import QUANTIZATIONS
 from services.worker.engine.models.family import ModelFamily
 from services.worker.engine.models.llama import (
     LlamaModel,
@@ -49,7 +50,6 @@ from services.worker.engine.quant import quantize_model_int8
 
 __all__ = ["LoadedModel", "ModelLoadError", "load_model", "resolve_model_path", "save_hf_folder"]
 
-QUANTIZATIONS = ("none", "int8")
 # torch dtypes of dequantized GGUF weights -> the safetensors codes the fingerprint names.
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
@@ -124,7 +124,7 @@ def load_model(
     if quantization not in QUANTIZATIONS:
         raise ModelLoadError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     target_device = torch.device(device)
-    target_dtype = dtype or (torch.float32 if target_device.type == "cpu" else torch.bfloat16)
+    target_dtype = dtype or torch_dtype("auto", device)
     path = resolve_model_path(spec)
     dtype_label = dtype_name(target_dtype)
     if path.is_dir():
@@ -182,7 +182,7 @@ def save_hf_folder(loaded: LoadedModel, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = loaded.tokenizer
     hf_config = loaded.config.to_hf_dict() | {
-        "torch_dtype": str(loaded.dtype).removeprefix("torch."),
+        "torch_dtype": dtype_name(loaded.dtype),
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": sorted(tokenizer.eos_token_ids),
     }

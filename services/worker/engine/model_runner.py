@@ -128,13 +128,7 @@ class ModelRunner:
         projections, which decode_layers.c does not call (None: every step may fuse)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.layout = KvLayout(
-            dtype=dtype_name(loaded.dtype),
-            block_size=block_size,
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-        )
+        self.layout = ModelRunner.layout_of(config, loaded.dtype, block_size)
         self.kv_cache = kv_cache_tensor(
             (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim),
             loaded.dtype,
@@ -194,14 +188,19 @@ class ModelRunner:
         )
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+    def layout_of(config: ModelConfig, dtype: torch.dtype, block_size: int) -> KvLayout:
+        """The KV layout of a model of this config and dtype, in blocks of block_size."""
         return KvLayout(
             dtype=dtype_name(dtype),
             block_size=block_size,
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
-        ).block_bytes
+        )
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, dtype: torch.dtype, block_size: int) -> int:
+        return ModelRunner.layout_of(config, dtype, block_size).block_bytes
 
     def forward(
         self, batch: list[BatchEntry], interrupt: Callable[[], bool] | None = None

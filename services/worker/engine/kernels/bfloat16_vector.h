@@ -2,7 +2,9 @@
  * they define `vec` as LANES floats; kernel_build.py keys its cache on the headers too). */
 #ifndef KVMESH_BFLOAT16_VECTOR_H
 #define KVMESH_BFLOAT16_VECTOR_H
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 #include <stdint.h>
 
 #include "bfloat16.h"

@@ -221,20 +221,20 @@ ALWAYS_INLINE void last_output(const Product *p, int64_t n, const void *w, weigh
     }
 }
 
-/* Steps of fewer rows stream one weight row at a time (weight_row); from this many rows, four
+/* Steps of up to this many rows stream one weight row at a time (weight_row); with more, four
  * weight rows at a time are multiplied into two x rows at a time (four_outputs), which loads
  * fewer vectors per multiply-add once the product is bound by arithmetic, not by memory
  * (measured on an AMD EPYC Zen 4, 1 thread: at 1 row the streamed rows read the weights 1.65x
  * faster, at 4 rows both take the same time, at 16 the four-row path 1.4x less). */
-enum { STREAM_MAX_ROWS = 3, ROW_GROUP = 3 };
+enum { STREAM_MAX_ROWS = 3 };
 
 /* x rows [0, count) (row stride x_stride) against one weight row w: dots[m]. Two
  * accumulators per x row along k keep more than one multiply-add in flight at batch 1.
  * `count` is a literal at the call sites: each count gets its own unrolled code. */
 ALWAYS_INLINE void weight_row(const float *x, int64_t x_stride, int count, const void *w,
-                              int64_t in, weight_kind kind, float dots[ROW_GROUP]) {
+                              int64_t in, weight_kind kind, float dots[STREAM_MAX_ROWS]) {
     const int64_t body = in & ~(int64_t)(2 * LANES - 1);
-    vec lo[ROW_GROUP] = {{0}}, hi[ROW_GROUP] = {{0}};
+    vec lo[STREAM_MAX_ROWS] = {{0}}, hi[STREAM_MAX_ROWS] = {{0}};
     for (int64_t k = 0; k < body; k += 2 * LANES) {
         const vec u = weightsv(w, k, kind), u2 = weightsv(w, k + LANES, kind);
         for (int m = 0; m < count; m++) {
@@ -249,19 +249,16 @@ ALWAYS_INLINE void weight_row(const float *x, int64_t x_stride, int count, const
     }
 }
 
-/* Output n of every row, w pointing at its weight row. */
+/* Output n of every row (at most STREAM_MAX_ROWS), w pointing at its weight row. */
 ALWAYS_INLINE void streamed_output(const Product *p, int64_t n, const void *w, weight_kind kind) {
-    float dots[ROW_GROUP];
-    for (int64_t m = 0; m < p->rows; m += ROW_GROUP) {
-        const int64_t count = p->rows - m < ROW_GROUP ? p->rows - m : ROW_GROUP;
-        const float *x = p->x + m * p->x_stride;
-        switch (count) {
-        case 1: weight_row(x, p->x_stride, 1, w, p->in, kind, dots); break;
-        case 2: weight_row(x, p->x_stride, 2, w, p->in, kind, dots); break;
-        default: weight_row(x, p->x_stride, 3, w, p->in, kind, dots); break;
-        }
-        for (int64_t r = 0; r < count; r++) store(p, m + r, n, dots + r, 1, kind);
+    float dots[STREAM_MAX_ROWS];
+    switch (p->rows) {
+    case 0: return;
+    case 1: weight_row(p->x, p->x_stride, 1, w, p->in, kind, dots); break;
+    case 2: weight_row(p->x, p->x_stride, 2, w, p->in, kind, dots); break;
+    default: weight_row(p->x, p->x_stride, 3, w, p->in, kind, dots); break;
     }
+    for (int64_t r = 0; r < p->rows; r++) store(p, r, n, dots + r, 1, kind);
 }
 
 /* Weight rows [first, last) read one row after another (rows <= STREAM_MAX_ROWS). */
