@@ -63,13 +63,7 @@ typedef int32_t lane_index __attribute__((vector_size(LANES * sizeof(int32_t))))
 #include "bfloat16_vector.h"
 #include "vector_ops.h"
 
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+#include "vector_io.h"
 
 /* LANES cache elements, each widened to its float32. */
 #if defined(KV_BFLOAT16)

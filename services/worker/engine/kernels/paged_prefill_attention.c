@@ -62,13 +62,7 @@ typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 /* Query positions per query tile (times the group's heads rows). */
 #define QUERY_TILE 32
 
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+#include "vector_io.h"
 
 /* x in every lane, written out: one broadcast. (GCC keeps `(vec){0} + x` as an add, since
  * 0 + -0 is +0, and builds a vector filled by a loop one lane at a time.) */

@@ -77,13 +77,7 @@
 
 typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+#include "vector_io.h"
 
 /* Output columns per panel: the panels' layout for callers that size the buffer. */
 int panel_linear_width(void) { return PANEL; }
