@@ -613,10 +613,12 @@ def choose_bfloat16_project(
     return PackedProject(library, num_threads, panels=panels)
 
 
-def bfloat16_panels(num_threads: int) -> PanelLinear | None:
+def bfloat16_panels(num_threads: int, prefetch: bool | None = None) -> PanelLinear | None:
     """The panel kernel's bfloat16 build where the kernels are built for AVX-512 BF16, else
     None (oneDNN alone; a panel library that cannot be built is logged by the float32
-    models' choice, not here)."""
+    models' choice, not here). prefetch: its streaming variant; None: where float32's
+    streams by default (PREFETCH_BY_DEFAULT; measured faster in bfloat16 on an Intel Xeon,
+    kernels/panel_linear.c)."""
     try:
         library = panel_library()
     except KernelUnavailable:
@@ -624,7 +626,9 @@ def bfloat16_panels(num_threads: int) -> PanelLinear | None:
     library.panel_linear_bfloat16_built.restype = ctypes.c_int
     if not library.panel_linear_bfloat16_built():
         return None
-    return PanelLinear(library, num_threads, dtype=torch.bfloat16)
+    if prefetch is None:
+        prefetch = (cpu_vendor(), 16) in PREFETCH_BY_DEFAULT  # an AVX-512 build: 16 lanes
+    return PanelLinear(library, num_threads, prefetch, torch.bfloat16)
 
 
 class PanelLinear(LaidOutLinear):
@@ -638,17 +642,19 @@ class PanelLinear(LaidOutLinear):
         prefetch: bool = False,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        """prefetch: the kernel's streaming variant (panel_linear_prefetching): each thread
-        asks for its next panel while it runs the current one, and the rows go in blocks that
-        stay in L2. dtype: the operands', float32 or bfloat16 (the kernel's build for a
-        bfloat16 model, panel_linear_bfloat16: AVX-512 BF16 only, not streaming; its panels
-        hold pairs of inputs, an odd count padded)."""
+        """prefetch: the kernel's streaming variant (panel_linear_prefetching, or
+        panel_linear_bfloat16_prefetching): each thread asks for its next panel while it runs
+        the current one, and the rows go in blocks that stay in L2. dtype: the operands',
+        float32 or bfloat16 (the kernel's build for a bfloat16 model, panel_linear_bfloat16:
+        AVX-512 BF16 only; its panels hold pairs of inputs, an odd count padded)."""
         bfloat16 = dtype == torch.bfloat16
-        if bfloat16 and prefetch:
-            raise ValueError("the panel kernel's bfloat16 build does not prefetch")
         self.prefetch = prefetch
         if bfloat16:
-            self.function = library.panel_linear_bfloat16
+            self.function = (
+                library.panel_linear_bfloat16_prefetching
+                if prefetch
+                else library.panel_linear_bfloat16
+            )
         else:
             self.function = library.panel_linear_prefetching if prefetch else library.panel_linear
         self.function.restype = None

@@ -206,6 +206,26 @@ def test_larger_steps_on_the_panel_kernel_compute_what_onednn_computes(
     assert_within_a_step_of_onednn(got, onednn, call, module)
 
 
+@pytest.mark.skipif(not PANELS_BUILT, reason="the kernels are not built for AVX-512 BF16 here")
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("ins", "outs"), [(576, 960), (41, 7), (1536, 576)])
+@pytest.mark.parametrize("rows", [5, 8, 32, 70])
+def test_the_streaming_bfloat16_panels_compute_the_same_bits(
+    rows: int, ins: int, outs: int, threads: int
+) -> None:
+    """The panel kernel's bfloat16 build asking for its next panel while it runs one (and its
+    rows in blocks) gives the same bits as without: what it asks for ahead changes no sum."""
+    module, call = bfloat16_case(ins, outs, rows, "norm+bias", weight_seed=ins, seed=rows + outs)
+    library = load_library("small_batch_linear")
+    results = []
+    for prefetch in (False, True):
+        panels = bfloat16_panels(threads, prefetch)
+        assert panels is not None and panels.prefetch is prefetch
+        project = PackedProject(library, threads, small_max_rows=0, panels=panels)
+        results.append(call.run(project, module))
+    assert torch.equal(results[0], results[1])
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("fused", ["norm", "gated"])
 @pytest.mark.parametrize("rows", [1, 5, 300])
