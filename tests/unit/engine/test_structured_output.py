@@ -28,7 +28,7 @@ from kvmesh.contracts.constraints import (
     StructuralTag,
     Structure,
 )
-from services.worker.engine.api import EngineRequest, FinishReason, SamplingParams
+from services.worker.engine.api import EngineRequest, FinishReason, RequestOutput, SamplingParams
 from services.worker.engine.async_engine import AsyncEngine
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -495,21 +495,28 @@ def test_split_prefill_and_decode_equals_colocated(
     colocated = drive(make_engine(tiny_loaded, backend), {0: [request]})["s"]
 
     prefill, decode = make_engine(tiny_loaded, backend), make_engine(tiny_loaded, backend)
+    first = hand_off(prefill, decode, request)
+    rest = drive(decode, {0: []})["s"]
+    assert first.new_token_ids + rest.token_ids == colocated.token_ids
+    assert first.text_delta + rest.text == colocated.text
+    assert rest.finish_reason is FinishReason.STOP
+    assert decode.pool.num_free_blocks == decode.pool.num_blocks
+
+
+def hand_off(prefill: Engine, decode: Engine, request: EngineRequest) -> RequestOutput:
+    """The request prefilled on one engine and its KV imported into the other, which goes on
+    from the first token; returns the prefill's output (that token)."""
     prefill.add_request(request, hold_after_prefill=True)
     (first,) = prefill.step()
-    handle = prefill.take_handle("s")
+    handle = prefill.take_handle(request.request_id)
     assert handle is not None
     plan = decode.start_import(request, handle.block_hashes, handle.num_tokens)
     blobs = prefill.export_blocks(handle.handle_id, plan.missing_indices)
     for index, blob in zip(plan.missing_indices, blobs, strict=True):
         decode.write_imported_block(plan, index, blob)
     decode.commit_import(plan, first.new_token_ids[0])
-    rest = drive(decode, {0: []})["s"]
-    assert first.new_token_ids + rest.token_ids == colocated.token_ids
-    assert first.text_delta + rest.text == colocated.text
-    assert rest.finish_reason is FinishReason.STOP
     prefill.release(handle.handle_id)
-    assert decode.pool.num_free_blocks == decode.pool.num_blocks
+    return first
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -523,16 +530,7 @@ def test_imports_past_max_num_seqs_are_all_masked(tiny_loaded: LoadedModel, back
     prefill = make_engine(tiny_loaded, backend)
     decode = make_engine(tiny_loaded, backend, max_num_seqs=2)
     for request in requests:
-        prefill.add_request(request, hold_after_prefill=True)
-        (first,) = prefill.step()
-        handle = prefill.take_handle(request.request_id)
-        assert handle is not None
-        plan = decode.start_import(request, handle.block_hashes, handle.num_tokens)
-        blobs = prefill.export_blocks(handle.handle_id, plan.missing_indices)
-        for index, blob in zip(plan.missing_indices, blobs, strict=True):
-            decode.write_imported_block(plan, index, blob)
-        decode.commit_import(plan, first.new_token_ids[0])
-        prefill.release(handle.handle_id)
+        hand_off(prefill, decode, request)
     rest = drive(decode, {0: []})
     for request in requests:
         name = request.request_id
