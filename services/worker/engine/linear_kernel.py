@@ -72,6 +72,15 @@ PANELS_BY_DEFAULT_LANES = frozenset({8, 16})
 # one process alternated, min of 30, 72.5 vs 76.4 ms (medians a tie), a 128-token prefill 140
 # vs 151, 8-64 rows within 2.5%; on an AMD EPYC Zen 4 even tiles were slower.
 EVEN_TILES_VENDORS = frozenset({"GenuineIntel"})
+# The CPUs, by vendor, whose panel kernel runs a bfloat16 model's products on float32 FMAs over
+# widened operands (kernels/panel_linear.c's BFLOAT16_FMA build) instead of vdpbf16ps: on an
+# Intel Xeon (family 6 model 207, AVX-512 BF16 without AMX) a 512-token prefill 0.66-0.67x the
+# time, a 32-row decode 0.77-0.84x (the same bits there; panel_linear.c). On an
+# AMD EPYC Zen 4 the vdpbf16ps build ran bfloat16 steps at about twice float32's speed
+# (BENCHMARKS.md, "Peers ... in bfloat16").
+BFLOAT16_FMA_VENDORS = frozenset({"GenuineIntel"})
+# The panel kernel's build defines, each with the CPU vendors it is built for.
+PANEL_BUILDS = {"EVEN_TILES": EVEN_TILES_VENDORS, "BFLOAT16_FMA": BFLOAT16_FMA_VENDORS}
 # The CPUs, by vendor (/proc/cpuinfo's vendor_id) and the kernels' vector width (kernel_lanes),
 # on which "auto" runs the panel kernel prefetching its next panel, its rows in blocks that
 # stay in L2 (kernels/panel_linear.c). Intel, where SmolLM2-135M's decode-size projections took
@@ -792,9 +801,11 @@ def load_linear_kernel(num_threads: int, large_mode: str = "torch") -> SmallBatc
 
 
 def panel_library() -> ctypes.CDLL:
-    """The panel kernel's library, built for this CPU's vendor (EVEN_TILES_VENDORS)."""
-    even_tiles = cpu_vendor() in EVEN_TILES_VENDORS
-    return load_library("panel_linear", ("EVEN_TILES",) if even_tiles else ())
+    """The panel kernel's library, built for this CPU's vendor (EVEN_TILES_VENDORS,
+    BFLOAT16_FMA_VENDORS)."""
+    vendor = cpu_vendor()
+    defines = [name for name, vendors in PANEL_BUILDS.items() if vendor in vendors]
+    return load_library("panel_linear", tuple(defines))
 
 
 def large_product(mode: str, lanes: int, num_threads: int) -> LaidOutLinear | None:

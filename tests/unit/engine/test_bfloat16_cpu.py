@@ -22,6 +22,7 @@ from services.worker.engine.api import FinishReason, SamplingParams
 from services.worker.engine.kernel_build import load_library
 from services.worker.engine.linear_kernel import (
     PackedProject,
+    PanelLinear,
     bfloat16_pairs,
     bfloat16_panels,
     choose_bfloat16_project,
@@ -188,17 +189,19 @@ def test_small_steps_stream_what_onednn_computes(
 @pytest.mark.parametrize("fused", ["", "norm+bias", "gated+residual"])
 @pytest.mark.parametrize(("ins", "outs"), [(576, 960), (41, 7), (64, 33), (1536, 576)])
 @pytest.mark.parametrize("rows", [4, 5, 8, 13, 32, 70])
+@pytest.mark.parametrize("build", [(), ("BFLOAT16_FMA",)])
 def test_larger_steps_on_the_panel_kernel_compute_what_onednn_computes(
-    rows: int, ins: int, outs: int, fused: str, threads: int
+    build: tuple[str, ...], rows: int, ins: int, outs: int, fused: str, threads: int
 ) -> None:
-    """Steps of more rows than stream, on the panel kernel's bfloat16 build, oneDNN not
-    called: each output within one bfloat16 step of oneDNN's product of the same operands plus
-    what summing in float32 in another order may move it, the residual added after the
-    rounded product. Row tiles whole and cut, output panels whole and cut, an odd input count
-    (its last input paired with a zero)."""
+    """Steps of more rows than stream, on the panel kernel's bfloat16 build (vdpbf16ps, or
+    float32 FMAs on widened operands), oneDNN not called: each output within one bfloat16 step
+    of oneDNN's product of the same operands plus what summing in float32 in another order may
+    move it, the residual added after the rounded product. Row tiles whole and cut, output
+    panels whole and cut, an odd input count (its last input paired with a zero)."""
     module, call = bfloat16_case(ins, outs, rows, fused, weight_seed=ins, seed=rows * 100 + outs)
     library = load_library("small_batch_linear")
-    panels = PackedProject(library, threads, small_max_rows=0, panels=bfloat16_panels(threads))
+    built = PanelLinear(load_library("panel_linear", build), threads, True, torch.bfloat16)
+    panels = PackedProject(library, threads, small_max_rows=0, panels=built)
     onednn = PackedProject(library, threads, small_max_rows=0)
     got = call.run(panels, module).float()
     assert panels.product.num_copies == 0

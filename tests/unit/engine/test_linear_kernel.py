@@ -343,7 +343,8 @@ def test_row_tiles_are_even_on_avx2_where_every_tile_keeps_5_rows_or_more(build:
 
 
 @pytest.mark.parametrize(
-    ("vendor", "defines"), [("GenuineIntel", ("EVEN_TILES",)), ("AuthenticAMD", ())]
+    ("vendor", "defines"),
+    [("GenuineIntel", ("EVEN_TILES", "BFLOAT16_FMA")), ("AuthenticAMD", ())],
 )
 def test_the_panel_kernel_is_built_for_the_cpus_vendor(
     monkeypatch: pytest.MonkeyPatch, vendor: str, defines: tuple[str, ...]
