@@ -567,9 +567,9 @@ void panel_linear_bfloat16(const uint16_t *x, int64_t rows, int64_t x_stride, in
 }
 
 /* panel_linear_bfloat16, streaming as panel_linear_prefetching does. On 2 cores of an Intel
- * Xeon (family 6 model 207, AVX-512 BF16 without AMX), SmolLM2-135M in bfloat16, whole steps
- * alternated in one process, min of 9, streaming against not (two runs, the second on a host
- * running slow): decode steps of 8 rows 0.71-0.89x the time, 32 rows 0.87-0.94x, 64 rows
+ * Xeon (family 6 model 207, AVX-512 BF16 without AMX), SmolLM2-135M in bfloat16 on
+ * vdpbf16ps, whole steps alternated in one process, min of 9, streaming against not (two
+ * runs, the second on a host running slow): decode steps of 8 rows 0.71-0.89x the time, 32 rows 0.87-0.94x, 64 rows
  * 0.92-0.95x, a 128-token prefill 0.84-0.98x, a 512-token prefill 0.98-1.02x (a tie). */
 void panel_linear_bfloat16_prefetching(const uint16_t *x, int64_t rows, int64_t x_stride,
                                        int64_t ins, const uint16_t *panels,
