@@ -194,6 +194,14 @@ static int64_t next_share(const void *next, int64_t panel_bytes, int64_t tiles) 
     return (panel_lines + tiles - 1) / tiles;
 }
 
+/* Where the row tile whose share starts `asked` lines into `next` asks from (NULL: nowhere),
+ * and in *lines how many lines it asks for, of the panel's panel_lines. */
+static const char *tile_ahead(const void *next, int64_t panel_lines, int64_t asked,
+                              int64_t share, int64_t *lines) {
+    *lines = panel_lines - asked < share ? panel_lines - asked : share;
+    return next != NULL ? (const char *)next + asked * CACHE_LINE : NULL;
+}
+
 /* Every row of x against one panel, in the row tiles of panel_linear_tile_rows; the tiles
  * share out the cache lines of `next` (the panel to run after this one, or NULL) to ask for. */
 static void panel_rows(const void *x_rows, int64_t rows, int64_t x_stride, int64_t ins,
@@ -208,8 +216,8 @@ static void panel_rows(const void *x_rows, int64_t rows, int64_t x_stride, int64
     for (int64_t r0 = 0, asked = 0, tile = 0; r0 < rows; r0 += tile, x += tile * x_stride,
                  y += tile * outs, asked += share) {
         tile = panel_linear_tile_rows(rows - r0);
-        const int64_t lines = panel_lines - asked < share ? panel_lines - asked : share;
-        const char *ahead = next != NULL ? (const char *)next + asked * CACHE_LINE : NULL;
+        int64_t lines;
+        const char *ahead = tile_ahead(next, panel_lines, asked, share, &lines);
         switch (tile) {
             SHORT_TILES(ROW_TILE)
         default:
@@ -417,8 +425,8 @@ static void bfloat16_panel_rows(const void *x_rows, int64_t rows, int64_t x_stri
     for (int64_t r0 = 0, asked = 0, tile = 0; r0 < rows; r0 += tile, x += tile * x_stride,
                  y += tile * outs, asked += share) {
         tile = rows - r0 < BFLOAT16_TILE_ROWS ? rows - r0 : BFLOAT16_TILE_ROWS;
-        const int64_t lines = panel_lines - asked < share ? panel_lines - asked : share;
-        const char *ahead = next != NULL ? (const char *)next + asked * CACHE_LINE : NULL;
+        int64_t lines;
+        const char *ahead = tile_ahead(next, panel_lines, asked, share, &lines);
         switch (tile) {
             BFLOAT16_ROW_TILE(1)
             BFLOAT16_ROW_TILE(2)
@@ -500,8 +508,8 @@ static void fma_panel_rows(const void *x_rows, int64_t rows, int64_t x_stride, i
     for (int64_t r0 = 0, asked = 0, tile = 0; r0 < rows; r0 += tile, x += tile * x_stride,
                  y += tile * outs, asked += share) {
         tile = rows - r0 < FMA_TILE_ROWS ? rows - r0 : FMA_TILE_ROWS;
-        const int64_t lines = panel_lines - asked < share ? panel_lines - asked : share;
-        const char *ahead = next != NULL ? (const char *)next + asked * CACHE_LINE : NULL;
+        int64_t lines;
+        const char *ahead = tile_ahead(next, panel_lines, asked, share, &lines);
         switch (tile) {
             FMA_ROW_TILE(1)
             FMA_ROW_TILE(2)
