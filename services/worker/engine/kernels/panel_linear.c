@@ -188,10 +188,9 @@ typedef void (*panel_rows_fn)(const void *x, int64_t rows, int64_t x_stride, int
                               int64_t outs, int accumulate, const void *next);
 
 /* The cache lines of `next` (the panel to run after this one, panel_bytes long, or NULL) that
- * each of a panel's `tiles` row tiles asks for: the tiles share them out. */
-static int64_t next_share(const void *next, int64_t panel_bytes, int64_t tiles) {
-    const int64_t panel_lines = next != NULL ? panel_bytes / CACHE_LINE : 0;
-    return (panel_lines + tiles - 1) / tiles;
+ * a panel's row tiles share out to ask for (0 without one). */
+static int64_t next_lines(const void *next, int64_t panel_bytes) {
+    return next != NULL ? panel_bytes / CACHE_LINE : 0;
 }
 
 /* Where the row tile whose share starts `asked` lines into `next` asks from (NULL: nowhere),
@@ -210,9 +209,8 @@ static void panel_rows(const void *x_rows, int64_t rows, int64_t x_stride, int64
     const float *x = x_rows, *panel = panel_weights, *bias = bias_of_panel;
     float *y = y_rows;
     const int64_t tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t panel_bytes = ins * PANEL * (int64_t)sizeof(float);
-    const int64_t panel_lines = next != NULL ? panel_bytes / CACHE_LINE : 0;
-    const int64_t share = next_share(next, panel_bytes, tiles);
+    const int64_t panel_lines = next_lines(next, ins * PANEL * (int64_t)sizeof(float));
+    const int64_t share = (panel_lines + tiles - 1) / tiles;
     for (int64_t r0 = 0, asked = 0, tile = 0; r0 < rows; r0 += tile, x += tile * x_stride,
                  y += tile * outs, asked += share) {
         tile = panel_linear_tile_rows(rows - r0);
@@ -419,9 +417,9 @@ static void bfloat16_panel_rows(const void *x_rows, int64_t rows, int64_t x_stri
                                 const void *next) {
     const uint16_t *x = x_rows, *panel = panel_weights, *bias = bias_of_panel;
     uint16_t *y = y_rows;
-    const int64_t panel_lines = next != NULL ? bfloat16_panel_bytes(ins) / CACHE_LINE : 0;
+    const int64_t panel_lines = next_lines(next, bfloat16_panel_bytes(ins));
     const int64_t tiles = (rows + BFLOAT16_TILE_ROWS - 1) / BFLOAT16_TILE_ROWS;
-    const int64_t share = next_share(next, bfloat16_panel_bytes(ins), tiles);
+    const int64_t share = (panel_lines + tiles - 1) / tiles;
     for (int64_t r0 = 0, asked = 0, tile = 0; r0 < rows; r0 += tile, x += tile * x_stride,
                  y += tile * outs, asked += share) {
         tile = rows - r0 < BFLOAT16_TILE_ROWS ? rows - r0 : BFLOAT16_TILE_ROWS;
@@ -502,9 +500,9 @@ static void fma_panel_rows(const void *x_rows, int64_t rows, int64_t x_stride, i
     const uint16_t *panel = panel_weights, *bias = bias_of_panel;
     uint16_t *y = y_rows;
     const int64_t pairs = (ins + 1) / 2;
-    const int64_t panel_lines = next != NULL ? bfloat16_panel_bytes(ins) / CACHE_LINE : 0;
+    const int64_t panel_lines = next_lines(next, bfloat16_panel_bytes(ins));
     const int64_t tiles = (rows + FMA_TILE_ROWS - 1) / FMA_TILE_ROWS;
-    const int64_t share = next_share(next, bfloat16_panel_bytes(ins), tiles);
+    const int64_t share = (panel_lines + tiles - 1) / tiles;
     for (int64_t r0 = 0, asked = 0, tile = 0; r0 < rows; r0 += tile, x += tile * x_stride,
                  y += tile * outs, asked += share) {
         tile = rows - r0 < FMA_TILE_ROWS ? rows - r0 : FMA_TILE_ROWS;
