@@ -8,9 +8,11 @@ causal limit and the window computed, not read from a mask; the query heads shar
 are one tile's rows. Measured against torch's flash attention on one 1,024-token chunk of the
 default model's shape (9 query heads, 3 KV heads, head_dim 64; AMD EPYC Zen 4, 2 threads):
 9.2-10.0 against 14.2-15.2 ms. A bfloat16 model's cache is read by a build of its own
-(KV_BFLOAT16: each K/V element widened as it is packed): SmolLM2-135M's 1,056-token prefill step
-in bfloat16 on the same CPU, 865 against 999 ms with torch's bfloat16 flash attention, 512
-tokens 384 against 462. kernel_build.py compiles and caches it.
+(KV_BFLOAT16: each K/V and query element widened as it is packed, the output rounded once):
+SmolLM2-135M's 1,056-token prefill step in bfloat16 on the same CPU, 865 against 999 ms with
+torch's bfloat16 flash attention, 512 tokens 384 against 462. On AMD its BFLOAT16_PAIRS build
+multiplies bfloat16 pairs instead (BFLOAT16_PAIRS_VENDORS). kernel_build.py compiles and
+caches it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,25 @@ import functools
 
 import torch
 
-from services.worker.engine.kernel_build import KV_BUILDS, choose_kernel, load_library, profiled
+from services.worker.engine.kernel_build import (
+    KV_BUILDS,
+    choose_kernel,
+    cpu_vendor,
+    load_library,
+    profiled,
+)
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
+# The CPUs, by vendor, on which a bfloat16 cache's build multiplies bfloat16 pairs (its
+# BFLOAT16_PAIRS build: vdpbf16ps, where the CPU has AVX-512 BF16) instead of widening every
+# key, value and query to float32. SmolLM2-135M's whole steps on 2 cores of an AMD EPYC Zen 4,
+# both builds alternated in one process, min of 9, two runs: a 1,056-token prefill 0.89-0.90x
+# the time, 32 tokens after a 1,024-token prefix 0.80-0.82x, 8 chunks of 128 tokens
+# 0.96-0.99x, one of 128 a tie. Not Intel: on the Xeon (family 6 model 207) vdpbf16ps did no
+# more products a cycle than float32's FMAs (linear_kernel.BFLOAT16_FMA_VENDORS), and the
+# pairs build has not been timed there.
+BFLOAT16_PAIRS_VENDORS = frozenset({"AuthenticAMD"})
 
 
 class PrefillKernel:
@@ -36,6 +53,9 @@ class PrefillKernel:
             [_POINTER] + [_INT] + [_POINTER] * 4 + [_INT] * 7 + [ctypes.c_float, ctypes.c_int]
         )
         self.num_threads = num_threads
+        library.paged_prefill_attention_pairs.restype = ctypes.c_int
+        self.pairs = bool(library.paged_prefill_attention_pairs())
+        """Whether it multiplies bfloat16 pairs (the BFLOAT16_PAIRS build on AVX-512 BF16)."""
 
     def __call__(
         self,
@@ -52,16 +72,14 @@ class PrefillKernel:
         window > 0: it attends to its last `window` positions only (a sliding window).
 
         The caller guarantees the shapes and that the caches are of the dtype the kernel was
-        built for (the runner builds them); ctypes cannot check. q may be of the caches' dtype:
-        it is computed in float32, and the output comes back in q's dtype."""
-        dtype = q.dtype
-        if dtype != torch.float32:
-            q = q.float()
-        elif q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        built for (the runner builds them); ctypes cannot check. q is read, and the output
+        written, in the caches' dtype (q converted first where it is not)."""
+        q = q.to(key_blocks.dtype)
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
             q = q.contiguous()
         chunk, heads, head_dim = q.shape
         table = block_table.contiguous()  # held: the kernel reads it by address
-        out = torch.empty((chunk, heads, head_dim), dtype=torch.float32)
+        out = torch.empty((chunk, heads, head_dim), dtype=key_blocks.dtype)
         with profiled("kvmesh::paged_prefill_attention"):
             status = self.function(
                 q.data_ptr(),
@@ -82,7 +100,7 @@ class PrefillKernel:
             )
         if status != 0:
             raise MemoryError("the prefill-attention kernel could not allocate its scratch memory")
-        return out.to(dtype)
+        return out
 
 
 def choose_prefill_kernel(
@@ -102,7 +120,15 @@ def choose_prefill_kernel(
 
 
 @functools.cache
-def load_prefill_kernel(num_threads: int, dtype: torch.dtype = torch.float32) -> PrefillKernel:
+def load_prefill_kernel(
+    num_threads: int, dtype: torch.dtype = torch.float32, pairs: bool | None = None
+) -> PrefillKernel:
     """The kernel for a cache of `dtype`, compiled on first use (KernelUnavailable when it
-    cannot be)."""
-    return PrefillKernel(load_library("paged_prefill_attention", KV_BUILDS[dtype]), num_threads)
+    cannot be). pairs: a bfloat16 cache's BFLOAT16_PAIRS build (it multiplies pairs only
+    where the CPU has AVX-512 BF16: PrefillKernel.pairs); None: by this CPU's vendor
+    (BFLOAT16_PAIRS_VENDORS)."""
+    if pairs is None:
+        pairs = cpu_vendor() in BFLOAT16_PAIRS_VENDORS
+    pairs_build = ("BFLOAT16_PAIRS",) if pairs and dtype == torch.bfloat16 else ()
+    library = load_library("paged_prefill_attention", (*KV_BUILDS[dtype], *pairs_build))
+    return PrefillKernel(library, num_threads)

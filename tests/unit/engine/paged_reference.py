@@ -17,9 +17,11 @@ def reference(
     tables: list[list[int]],
     contexts: list[int],
     window: int = 0,
+    probabilities: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Each row's context (its last `window` tokens when window > 0) gathered token by token,
-    softmax(q k^T / sqrt(d)) v per head."""
+    softmax(q k^T / sqrt(d)) v per head; with `probabilities`, the softmax's numerators
+    rounded to that dtype before they weigh the values (its sum unrounded)."""
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // keys.shape[2]
     rows = []
@@ -33,6 +35,10 @@ def reference(
         out = []
         for h in range(heads):
             scores = k[:, h // group] @ q[row, h] / math.sqrt(head_dim)
-            out.append(torch.softmax(scores.double(), 0).float() @ v[:, h // group])
+            numerators = torch.exp(scores.double() - scores.max())
+            if probabilities is not None:
+                numerators = numerators.to(probabilities).double()
+            weights = numerators / torch.exp(scores.double() - scores.max()).sum()
+            out.append(weights.float() @ v[:, h // group])
         rows.append(torch.stack(out))
     return torch.stack(rows)

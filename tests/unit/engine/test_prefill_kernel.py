@@ -33,10 +33,11 @@ def expected(
     table: list[int],
     prefix: int,
     window: int,
+    probabilities: torch.dtype | None = None,
 ) -> torch.Tensor:
     chunk = q.shape[0]
     contexts = [prefix + i + 1 for i in range(chunk)]
-    return reference(q, keys, values, [table] * chunk, contexts, window)
+    return reference(q, keys, values, [table] * chunk, contexts, window, probabilities)
 
 
 # Chunks shorter than a query tile (32) and longer than several, after no prefix, a prefix
@@ -72,16 +73,18 @@ def test_kernel_matches_plain_attention(
 def test_bfloat16_build_is_the_float32_one_on_the_widened_caches(
     threads: int, prefix: int, chunk: int, window: int
 ) -> None:
-    """A bfloat16 cache read by its own build: bit for bit the float32 build's output on the
-    same caches and queries widened to float32 beforehand (then rounded to q's bfloat16), so a
-    key or value misread, or a block missed, shows; and close to plain attention."""
+    """A bfloat16 cache read by its widening build: bit for bit the float32 build's output on
+    the same caches and queries widened to float32 beforehand (then rounded to q's bfloat16),
+    so a key or value misread, or a block missed, shows; and close to plain attention."""
     generator = torch.Generator().manual_seed(prefix + chunk + threads)
     keys, values, table = paged_context(generator, prefix + chunk, 3, 64)
     keys, values = keys.bfloat16(), values.bfloat16()
     q = torch.randn(chunk, 12, 64, generator=generator).bfloat16()[:, :9]  # rows strided
     blocks = torch.tensor(table)
 
-    got = load_prefill_kernel(threads, torch.bfloat16)(q, keys, values, blocks, prefix, window)
+    kernel = load_prefill_kernel(threads, torch.bfloat16, pairs=False)
+    assert not kernel.pairs
+    got = kernel(q, keys, values, blocks, prefix, window)
     widened = load_prefill_kernel(threads)(
         q.float(), keys.float(), values.float(), blocks, prefix, window
     )
@@ -90,6 +93,55 @@ def test_bfloat16_build_is_the_float32_one_on_the_widened_caches(
     assert torch.equal(got, widened.bfloat16())
     reference_out = expected(q.float(), keys.float(), values.float(), table, prefix, window)
     torch.testing.assert_close(got.float(), reference_out, atol=1e-2, rtol=1e-2)
+
+
+# Odd head_dim: the last pair of each query and key is padded with a zero.
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(
+    ("prefix", "chunk", "window", "head_dim"),
+    [(0, 150, 0, 64), (130, 70, 0, 64), (40, 100, 24, 64), (1000, 32, 0, 64), (21, 50, 0, 15)],
+)
+def test_bfloat16_pairs_build_rounds_only_the_probabilities(
+    threads: int, prefix: int, chunk: int, window: int, head_dim: int
+) -> None:
+    """The build that multiplies bfloat16 pairs (AVX-512 BF16): plain attention on the same
+    bfloat16 inputs with each softmax numerator rounded to bfloat16 before it weighs the
+    values, within bfloat16's rounding of them and of the output (a probability is rounded
+    against the running max, the reference's against the final one), and on average far
+    closer, so that a key or value misread shows."""
+    kernel = load_prefill_kernel(threads, torch.bfloat16, pairs=True)
+    if not kernel.pairs:
+        pytest.skip("no AVX-512 BF16 here: the pairs build widens")
+    generator = torch.Generator().manual_seed(prefix + chunk + threads + head_dim)
+    keys, values, table = paged_context(generator, prefix + chunk, 3, head_dim)
+    keys, values = keys.bfloat16(), values.bfloat16()
+    q = torch.randn(chunk, 12, head_dim, generator=generator).bfloat16()[:, :9]  # rows strided
+
+    got = kernel(q, keys, values, torch.tensor(table), prefix, window)
+
+    assert got.dtype == torch.bfloat16
+    rounded = expected(
+        q.float(), keys.float(), values.float(), table, prefix, window, torch.bfloat16
+    ).bfloat16()
+    torch.testing.assert_close(got, rounded, atol=1e-2, rtol=1e-2)
+    assert (got.float() - rounded.float()).abs().mean() < 1e-3
+
+
+def test_query_tiles_do_not_change_the_numbers() -> None:
+    """A 32-token chunk after a long prefix goes in smaller query tiles the more threads
+    there are to keep busy (1 thread: 16 positions a tile, 2: 8); each query's output is the
+    same bit for bit either way, and right."""
+    generator = torch.Generator().manual_seed(3)
+    keys, values, table = paged_context(generator, 1032, 3, 64)
+    q = torch.randn(32, 9, 64, generator=generator)
+    blocks = torch.tensor(table)
+
+    alone, shared = (load_prefill_kernel(t)(q, keys, values, blocks, 1000) for t in (1, 2))
+
+    assert torch.equal(alone, shared)
+    torch.testing.assert_close(
+        shared, expected(q, keys, values, table, 1000, 0), atol=2e-5, rtol=2e-5
+    )
 
 
 def test_large_scores_stay_finite_and_exact() -> None:

@@ -32,9 +32,10 @@
  * Built with -DKV_BFLOAT16 (kernel_build.KV_BUILDS), it runs a bfloat16 model's layers: the
  * activations, weights and cache are bfloat16, the projections the bfloat16 builds'
  * (bfloat16_small_batch_linear, or bfloat16_projection_input then panel_linear_bfloat16), and
- * around the attention kernels, which compute in float32, the queries are widened and the
- * output rounded once, as the layer-by-layer path's q.float() and out.to(bfloat16) do: the
- * same numbers as that path, bit for bit, as in float32.
+ * around the decode attention, which takes float32, the queries are widened and the output
+ * rounded once, as the layer-by-layer path's q.float() and out.to(bfloat16) do (the prefill
+ * attention reads and writes bfloat16 itself): the same numbers as that path, bit for bit, as
+ * in float32.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,8 +44,8 @@
 #include "kv_element.h"
 
 /* A model's activations, weights and KV cache are of one dtype: float32, or bfloat16 in the
- * KV_BFLOAT16 build. The attention kernels take float32 queries and give float32 outputs in
- * both. */
+ * KV_BFLOAT16 build. The decode attention takes float32 queries and gives float32 outputs in
+ * both; the prefill attention reads and writes this dtype. */
 typedef kv_t element;
 
 #if defined(KV_BFLOAT16)
@@ -71,11 +72,12 @@ typedef int (*Attention)(const float *q, const element *key_cache, const element
                          int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t max_blocks, int64_t window, float scale,
                          int threads);
-typedef int (*PrefillAttention)(const float *q, int64_t q_row_stride, const element *key_cache,
-                                const element *value_cache, const int64_t *block_table,
-                                float *out, int64_t chunk, int64_t prefix_len, int64_t heads,
-                                int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                                int64_t window, float scale, int threads);
+typedef int (*PrefillAttention)(const element *q, int64_t q_row_stride,
+                                const element *key_cache, const element *value_cache,
+                                const int64_t *block_table, element *out, int64_t chunk,
+                                int64_t prefix_len, int64_t heads, int64_t kv_heads,
+                                int64_t head_dim, int64_t block_size, int64_t window,
+                                float scale, int threads);
 typedef int (*ProjectionInput)(const element *x, int64_t rows, int64_t x_stride,
                                const element *norm_weight, float eps, int gated, int64_t in,
                                element *out, int threads);
@@ -146,7 +148,7 @@ static int project(const Model *model, const element *x, int64_t rows, int64_t x
 }
 
 /* Rows [first, first + count) of qkv's queries (its first q_width elements a row) as float32
- * rows of q, q_width apart, as the attention kernels read them: copied, or widened from
+ * rows of q, q_width apart, as the decode attention reads them: copied, or widened from
  * bfloat16. */
 static void widen_queries(const element *qkv, int64_t qkv_width, int64_t q_width, int64_t first,
                           int64_t count, float *q) {
@@ -156,26 +158,25 @@ static void widen_queries(const element *qkv, int64_t qkv_width, int64_t q_width
 }
 
 /* The attention of a chunk's `count` queries from row `first` of the step (the whole chunk,
- * or its last row alone) into rows [out_row, out_row + count) of out: its queries read in
- * place in qkv in the float32 build, widened into their rows of q first in the bfloat16 one.
- * Each sees the chunk's K/V before it, already in the cache. */
+ * or its last row alone) into rows [out_row, out_row + count) of out, its queries read in
+ * place in qkv. Each sees the chunk's K/V before it, already in the cache. */
 static int attend_chunk(const Model *model, const Layer *layer, const Chunk *chunk,
                         int64_t first, int64_t count, const element *qkv, int64_t qkv_width,
-                        int64_t q_width, float *q, float *out, int64_t out_row) {
-#if defined(KV_BFLOAT16)
-    widen_queries(qkv, qkv_width, q_width, first, count, q);
-    const float *queries = q + first * q_width;
-    const int64_t stride = q_width;
-#else
-    (void)q;
-    const float *queries = qkv + first * qkv_width;
-    const int64_t stride = qkv_width;
-#endif
-    return model->prefill_attention(queries, stride, layer->key_cache, layer->value_cache,
+                        int64_t q_width, element *out, int64_t out_row) {
+    return model->prefill_attention(qkv + first * qkv_width, qkv_width, layer->key_cache,
+                                    layer->value_cache,
                                     chunk->block_table, out + out_row * q_width, count,
                                     chunk->prefix_len + first - chunk->row_start, model->heads,
                                     model->kv_heads, model->head_dim, model->block_size,
                                     model->window, model->scale, model->threads);
+}
+
+/* The decode rows' float32 attention output rounded into the o projection's input (the same
+ * buffer in the float32 build). */
+static void round_decode_rows(const float *attn_out, int64_t decode_rows, int64_t q_width,
+                              element *attn) {
+    if (!KV_ELEMENT_IS_FLOAT)
+        for (int64_t k = 0; k < decode_rows * q_width; k++) attn[k] = kv_rounded(attn_out[k]);
 }
 
 /* The last layer past its K/V computes only the rows whose output is read: the decode rows
@@ -185,14 +186,13 @@ static int attend_chunk(const Model *model, const Layer *layer, const Chunk *chu
 static int64_t attend_kept_rows(const Model *model, const Layer *layer, const Chunk *chunks,
                                 int64_t num_chunks, int64_t decode_rows, element *hidden,
                                 const element *qkv, int64_t qkv_width, int64_t q_width,
-                                float *q, float *out, int *status) {
+                                element *out, int *status) {
     int64_t kept = decode_rows;
     for (int64_t c = 0; c < num_chunks; c++) {
         const Chunk *chunk = chunks + c;
         if (!chunk->want_logits) continue;
         const int64_t last = chunk->row_start + chunk->rows - 1;
-        *status = attend_chunk(model, layer, chunk, last, 1, qkv, qkv_width, q_width, q, out,
-                               kept);
+        *status = attend_chunk(model, layer, chunk, last, 1, qkv, qkv_width, q_width, out, kept);
         if (*status != 0) return -1;
         /* kept <= last: rows move only forward, each before its place is written. */
         memmove(hidden + kept * model->hidden, hidden + last * model->hidden,
@@ -218,15 +218,15 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, e
                                                                 : model->hidden;
     const int panels = rows > model->small_rows;
     element *qkv = malloc(sizeof(element) * rows * qkv_width);
-    /* The decode kernel reads its rows' queries contiguous; in the float32 build the chunks
-     * read theirs in qkv. */
-    const int64_t query_rows = KV_ELEMENT_IS_FLOAT ? decode_rows : rows;
-    float *q = malloc(sizeof(float) * (query_rows > 0 ? query_rows : 1) * q_width);
-    /* The attention kernels' float32 output, and the o projection's input: one buffer in
-     * the float32 build; in the bfloat16 one rounded from the first into the second. */
-    float *attn_out = malloc(sizeof(float) * rows * q_width);
-    element *attn = KV_ELEMENT_IS_FLOAT ? (element *)attn_out
-                                        : malloc(sizeof(element) * rows * q_width);
+    /* The decode kernel reads its rows' queries contiguous, in float32; the chunks read
+     * theirs in qkv. */
+    const int64_t decode_slots = decode_rows > 0 ? decode_rows : 1;
+    float *q = malloc(sizeof(float) * decode_slots * q_width);
+    /* The o projection's input, where the chunks' attention writes; the decode rows'
+     * float32 output goes to attn_out first in the bfloat16 build (round_decode_rows). */
+    element *attn = malloc(sizeof(element) * rows * q_width);
+    float *attn_out = KV_ELEMENT_IS_FLOAT ? (float *)attn
+                                          : malloc(sizeof(float) * decode_slots * q_width);
     element *gate_up = malloc(sizeof(element) * rows * gate_up_width);
     /* f(x) of the panel path's projections: the normed hidden rows or the SwiGLU's. */
     element *scratch = panels ? malloc(sizeof(element) * rows * widest) : NULL;
@@ -249,17 +249,16 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, e
         if (status != 0) break;
         if (l == num_layers - 1 && num_chunks > 0) {
             out_rows = attend_kept_rows(model, layer, chunks, num_chunks, decode_rows, hidden,
-                                        qkv, qkv_width, q_width, q, attn_out, &status);
+                                        qkv, qkv_width, q_width, attn, &status);
             if (status != 0 || out_rows == 0) break; /* no row's output is read */
         } else {
             for (int64_t c = 0; c < num_chunks && status == 0; c++)
                 status = attend_chunk(model, layer, chunks + c, chunks[c].row_start,
-                                      chunks[c].rows, qkv, qkv_width, q_width, q, attn_out,
+                                      chunks[c].rows, qkv, qkv_width, q_width, attn,
                                       chunks[c].row_start);
             if (status != 0) break;
         }
-        if (!KV_ELEMENT_IS_FLOAT)
-            for (int64_t k = 0; k < out_rows * q_width; k++) attn[k] = kv_rounded(attn_out[k]);
+        round_decode_rows(attn_out, decode_rows, q_width, attn);
         status = project(model, attn, out_rows, q_width, NULL, 0, &layer->o, q_width,
                          model->hidden, hidden, 1, scratch);
         if (status != 0) break;
@@ -271,8 +270,8 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, e
     }
     free(qkv);
     free(q);
-    if ((void *)attn != (void *)attn_out) free(attn);
-    free(attn_out);
+    if ((void *)attn_out != (void *)attn) free(attn_out);
+    free(attn);
     free(gate_up);
     free(scratch);
     return status;

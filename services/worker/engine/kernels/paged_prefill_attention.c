@@ -17,19 +17,24 @@
  * broadcast-and-multiply-add loops over whole vectors in the inner kernels.
  *
  * Layouts:
- *   q            [chunk, heads, head_dim], rows `q_row_stride` floats apart (a view of the
- *                layer's fused Q/K projection output)
+ *   q            [chunk, heads, head_dim], rows `q_row_stride` elements apart (a view of the
+ *                layer's fused Q/K projection output), of the caches' element type
  *   key_cache,
  *   value_cache  [num_blocks, block_size, kv_heads, head_dim] (one layer), contiguous
  *   block_table  [ceil(context / block_size)] int64
- *   out          [chunk, heads, head_dim], contiguous
+ *   out          [chunk, heads, head_dim], contiguous, of the caches' element type
  * Query i sits at position prefix_len + i and attends to positions [first, prefix_len + i],
  * first = 0, or with window > 0 (a sliding window) its last `window` positions only.
  *
- * Built with -DKV_BFLOAT16 (a library of its own, kernel_build.build's defines), the caches hold
- * bfloat16 (a bfloat16 model's): each K/V element is widened to the float32 it stands for as it
- * is packed, and everything after that is this same float32 code, so its result is bit for bit
- * the float32 build's on the caches widened beforehand.
+ * Built with -DKV_BFLOAT16 (a library of its own, kernel_build.build's defines), the caches, q and
+ * out hold bfloat16 (a bfloat16 model's): each K/V and query element is widened to the float32
+ * it stands for as it is packed, and everything after that is this same float32 code, so its
+ * result is bit for bit the float32 build's on q and the caches widened beforehand, rounded once
+ * as it is written out. With -DBFLOAT16_PAIRS too (AVX-512 BF16; prefill_kernel.py chooses it by
+ * vendor) both products run on bfloat16 pairs instead (vdpbf16ps, float32 sums): keys and
+ * values are packed as pairs without widening, each row's probabilities are rounded to
+ * bfloat16 for the second product (as torch's bfloat16 flash attention rounds them), and the
+ * scale is applied to the float32 scores.
  */
 #include <float.h>
 #include <stdint.h>
@@ -39,6 +44,13 @@
 #include "exp_approx.h"
 #include "in_register.h"
 #include "kv_element.h"
+
+#if defined(KV_BFLOAT16) && defined(BFLOAT16_PAIRS) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define PAIRS 1
+#else
+#define PAIRS 0
+#endif
 
 #if defined(__AVX512F__)
 #define LANES 16
@@ -59,8 +71,12 @@ typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
 
 /* Keys per key tile: whole vectors of scores, a multiple of both score tiles' widths. */
 #define KEY_TILE 64
-/* Query positions per query tile (times the group's heads rows). */
+/* Query positions per query tile (times the group's heads rows): QUERY_TILE, or fewer down to
+ * MIN_QUERY_TILE where a chunk's tiles times its KV heads would leave fewer than
+ * UNITS_PER_THREAD tiles a thread (query_tile_positions). */
 #define QUERY_TILE 32
+#define MIN_QUERY_TILE 8
+#define UNITS_PER_THREAD 4
 
 #include "vector_io.h"
 
@@ -88,6 +104,61 @@ static const lane_index LANE = {0, 1, 2, 3, 4, 5, 6, 7};
 
 #include "vector_ops.h"
 
+/* What the products read, packed: float32 (one element a word), or with PAIRS two bfloat16s a
+ * word, the lower one first, that vdpbf16ps multiplies and adds as a pair. */
+#if PAIRS
+typedef uint32_t packed_t;
+typedef __m512bh packed_vec;
+#define PER_WORD 2
+static inline packed_vec packed_load(const packed_t *p) {
+    return (packed_vec)_mm512_loadu_si512(p);
+}
+static inline packed_vec packed_splat(packed_t x) {
+    return (packed_vec)_mm512_set1_epi32((int)x);
+}
+/* acc + each lane's pair of a times b's, summed in float32. */
+static inline vec multiply_add(vec acc, packed_vec a, packed_vec b) {
+    return (vec)_mm512_dpbf16_ps((__m512)acc, a, b);
+}
+static inline packed_t pair_of(kv_t low, kv_t high) { return (uint32_t)low | (uint32_t)high << 16; }
+#else
+typedef float packed_t;
+typedef vec packed_vec;
+#define PER_WORD 1
+static inline packed_vec packed_load(const packed_t *p) { return load(p); }
+static inline packed_vec packed_splat(packed_t x) { return splat(x); }
+static inline vec multiply_add(vec acc, packed_vec a, packed_vec b) { return acc + a * b; }
+#endif
+
+/* Words a row of head_dim elements packs into. */
+static inline int64_t words_of(int64_t head_dim) { return (head_dim + PER_WORD - 1) / PER_WORD; }
+
+/* Word w of a query or key row of head_dim elements, as the first product reads it: widened
+ * and times `scale`, or with PAIRS elements 2w and 2w + 1 as they are (the scale goes on the
+ * scores; an odd head_dim's last pair is padded with a zero). */
+static inline packed_t row_word(const kv_t *row, int64_t w, int64_t head_dim, float scale) {
+#if PAIRS
+    (void)scale;
+    if (2 * w + 1 == head_dim) return pair_of(row[2 * w], 0);
+    packed_t pair; /* one load: x86 is little-endian, element 2w is the lower half */
+    memcpy(&pair, row + 2 * w, sizeof pair);
+    return pair;
+#else
+    (void)head_dim;
+    return kv_value(row[w]) * scale;
+#endif
+}
+
+/* A key tile's scores as the softmax takes them: with PAIRS the queries were packed unscaled. */
+static inline vec scaled_scores(vec acc, float scale) {
+#if PAIRS
+    return acc * splat(scale);
+#else
+    (void)scale;
+    return acc;
+#endif
+}
+
 /* The largest lane of v, by a tree of lane swaps (a maximum is the same in any order). */
 static inline float across_lanes_max(vec v) {
     for (int apart = LANES / 2; apart >= 1; apart /= 2)
@@ -101,14 +172,38 @@ static inline float across_lanes_sum(vec v) {
     return v[0];
 }
 
-/* One KV head's context, packed: keys transposed tile by tile [keys / KEY_TILE][head_dim]
- * [KEY_TILE] (one tile's rows contiguous: rows a whole context apart would be a power-of-two
- * stride, all in a few cache sets) and values [keys][dim_pad], both zero-padded to whole key
+/* One KV head's context, packed: keys transposed tile by tile [keys / KEY_TILE][words_of(
+ * head_dim)][KEY_TILE] (one tile's rows contiguous: rows a whole context apart would be a
+ * power-of-two stride, all in a few cache sets) and values [keys / PER_WORD][dim_pad] (with
+ * PAIRS each word holds element d of two neighbouring keys), both zero-padded to whole key
  * tiles (keys) and whole vectors (dim_pad). Key 0 is position `first` of the sequence. */
 typedef struct {
-    float *keys_t;
-    float *values;
+    packed_t *keys_t;
+    packed_t *values;
 } PackedHead;
+
+/* Key t's value row (NULL past the context) into its word row: widened, or with PAIRS into
+ * the words' lower halves (t even, first) or upper halves (t odd). */
+static void pack_value(packed_t *words, const kv_t *value, int64_t t, int64_t head_dim,
+                       int64_t dim_pad) {
+#if PAIRS
+    if (t % 2 == 0) {
+        memset(words, 0, sizeof(packed_t) * dim_pad);
+        if (value != NULL)
+            for (int64_t d = 0; d < head_dim; d++) words[d] = value[d];
+    } else if (value != NULL) {
+        for (int64_t d = 0; d < head_dim; d++) words[d] |= (uint32_t)value[d] << 16;
+    }
+#else
+    (void)t;
+    if (value == NULL) {
+        memset(words, 0, sizeof(packed_t) * dim_pad);
+        return;
+    }
+    for (int64_t d = 0; d < head_dim; d++) words[d] = kv_value(value[d]);
+    memset(words + head_dim, 0, sizeof(packed_t) * (dim_pad - head_dim));
+#endif
+}
 
 /* Packs key tile `tile` of KV head `kv_head` (its keys [tile * KEY_TILE, + KEY_TILE), zeros
  * past the context). */
@@ -116,21 +211,22 @@ static void pack_tile(const PackedHead *packed, const kv_t *key_cache, const kv_
                       const int64_t *table, int64_t first, int64_t context, int64_t kv_head,
                       int64_t tile, int64_t head_dim, int64_t dim_pad, int64_t block_size,
                       int64_t token_stride) {
-    float *keys_t = packed->keys_t + tile * head_dim * KEY_TILE;
+    const int64_t words = words_of(head_dim);
+    packed_t *keys_t = packed->keys_t + tile * words * KEY_TILE;
     for (int64_t j = 0; j < KEY_TILE; j++) {
         const int64_t t = tile * KEY_TILE + j, position = first + t;
-        float *value = packed->values + t * dim_pad;
+        packed_t *value_words = packed->values + t / PER_WORD * dim_pad;
         if (position >= context) {
-            for (int64_t d = 0; d < head_dim; d++) keys_t[d * KEY_TILE + j] = 0.f;
-            memset(value, 0, sizeof(float) * dim_pad);
+            for (int64_t w = 0; w < words; w++) keys_t[w * KEY_TILE + j] = 0;
+            pack_value(value_words, NULL, t, head_dim, dim_pad);
             continue;
         }
         const int64_t offset = (table[position / block_size] * block_size + position % block_size)
                                    * token_stride + kv_head * head_dim;
-        const kv_t *key = key_cache + offset, *cached_value = value_cache + offset;
-        for (int64_t d = 0; d < head_dim; d++) keys_t[d * KEY_TILE + j] = kv_value(key[d]);
-        for (int64_t d = 0; d < head_dim; d++) value[d] = kv_value(cached_value[d]);
-        memset(value + head_dim, 0, sizeof(float) * (dim_pad - head_dim));
+        const kv_t *key = key_cache + offset;
+        for (int64_t w = 0; w < words; w++)
+            keys_t[w * KEY_TILE + j] = row_word(key, w, head_dim, 1.f);
+        pack_value(value_words, value_cache + offset, t, head_dim, dim_pad);
     }
 }
 
@@ -163,36 +259,39 @@ static inline int64_t block_keys(const TileKeys *keys, int64_t r0) {
 }
 
 /* scores[r][0:KEY_TILE] = queries[r] . keys[tile] for rows [0, rows) (rows a multiple of
- * TILE_ROWS): each query element broadcast against whole vectors of transposed keys. The
- * queries are interleaved by row tile ([rows / TILE_ROWS][head_dim][TILE_ROWS]), so that one
+ * TILE_ROWS): each query word broadcast against whole vectors of transposed key words. The
+ * queries are interleaved by row tile ([rows / TILE_ROWS][words][TILE_ROWS]), so that one
  * pointer walks a tile's broadcasts (a pointer per row spilled to the stack on AVX2). */
-static void tile_scores(const float *queries, int64_t rows, int64_t head_dim,
-                        const float *keys_t, const TileKeys *keys, float *scores) {
+static void tile_scores(const packed_t *queries, int64_t rows, int64_t words,
+                        const packed_t *keys_t, const TileKeys *keys, float scale,
+                        float *scores) {
     for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
         const int64_t attended = block_keys(keys, r0);
         for (int64_t c0 = 0; c0 < attended; c0 += SCORE_VECTORS * LANES) {
             vec acc[TILE_ROWS][SCORE_VECTORS] = {{{0}}};
-            const float *tile_queries = queries + r0 * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) {
-                const float *k = keys_t + d * KEY_TILE + c0;
-                vec kv[SCORE_VECTORS];
+            const packed_t *tile_queries = queries + r0 * words;
+            for (int64_t w = 0; w < words; w++) {
+                const packed_t *k = keys_t + w * KEY_TILE + c0;
+                packed_vec kv[SCORE_VECTORS];
 #pragma GCC unroll 8
                 for (int v = 0; v < SCORE_VECTORS; v++) {
-                    kv[v] = load(k + v * LANES);
+                    kv[v] = packed_load(k + v * LANES);
                     IN_REGISTER(kv[v]);
                 }
 #pragma GCC unroll 8
                 for (int r = 0; r < TILE_ROWS; r++) {
-                    const vec q = splat(tile_queries[d * TILE_ROWS + r]);
+                    const packed_vec q = packed_splat(tile_queries[w * TILE_ROWS + r]);
 #pragma GCC unroll 8
-                    for (int v = 0; v < SCORE_VECTORS; v++) acc[r][v] += q * kv[v];
+                    for (int v = 0; v < SCORE_VECTORS; v++)
+                        acc[r][v] = multiply_add(acc[r][v], q, kv[v]);
                 }
             }
 #pragma GCC unroll 8
             for (int r = 0; r < TILE_ROWS; r++)
 #pragma GCC unroll 8
                 for (int v = 0; v < SCORE_VECTORS; v++)
-                    store(scores + (r0 + r) * KEY_TILE + c0 + v * LANES, acc[r][v]);
+                    store(scores + (r0 + r) * KEY_TILE + c0 + v * LANES,
+                          scaled_scores(acc[r][v], scale));
         }
     }
 }
@@ -239,14 +338,27 @@ static void row_probabilities(float *restrict scores, int64_t lo, int64_t hi, fl
     store(sum, total);
 }
 
+/* A row's probabilities as the second product reads them, KEY_TILE / PER_WORD words: with
+ * PAIRS rounded to bfloat16 pairs of neighbouring keys (the float32 build reads the scores
+ * themselves). */
+#if PAIRS
+static void probability_words(const float *probs, packed_t *words) {
+    for (int v = 0; v < TILE_VECTORS; v += 2)
+        _mm512_storeu_si512(words + v * LANES / 2,
+                            (__m512i)_mm512_cvtne2ps_pbh(load(probs + (v + 1) * LANES),
+                                                          load(probs + v * LANES)));
+}
+#endif
+
 /* Columns [c0, c0 + width * LANES) of rows [r0, r0 + TILE_ROWS) of tile_values. `width` is
  * a literal at the call sites: each width gets its own code, with no test per vector in the
  * loop over the keys. */
 static inline __attribute__((always_inline)) void value_columns(
-    const float *probs, const float *values, int64_t dim_pad, const float *rescale,
+    const packed_t *probs, const packed_t *values, int64_t dim_pad, const float *rescale,
     float *acc_rows, int64_t r0, int64_t c0, int width, int64_t keys) {
     vec acc[TILE_ROWS][VALUE_VECTORS];
-    const float *tile_probs = probs + r0 * KEY_TILE;
+    const int64_t row_words = KEY_TILE / PER_WORD;
+    const packed_t *tile_probs = probs + r0 * row_words;
 #pragma GCC unroll 8
     for (int r = 0; r < TILE_ROWS; r++) {
         const vec scale = splat(rescale[r0 + r]);
@@ -254,19 +366,20 @@ static inline __attribute__((always_inline)) void value_columns(
         for (int v = 0; v < width; v++)
             acc[r][v] = load(acc_rows + (r0 + r) * dim_pad + c0 + v * LANES) * scale;
     }
-    for (int64_t j = 0; j < keys; j++) {
-        const float *value = values + j * dim_pad + c0;
-        vec vv[VALUE_VECTORS];
+    /* With PAIRS a key past `keys` may share the last word: its probability is 0. */
+    for (int64_t j = 0; j < (keys + PER_WORD - 1) / PER_WORD; j++) {
+        const packed_t *value = values + j * dim_pad + c0;
+        packed_vec vv[VALUE_VECTORS];
 #pragma GCC unroll 8
         for (int v = 0; v < width; v++) {
-            vv[v] = load(value + v * LANES);
+            vv[v] = packed_load(value + v * LANES);
             IN_REGISTER(vv[v]);
         }
 #pragma GCC unroll 8
         for (int r = 0; r < TILE_ROWS; r++) {
-            const vec p = splat(tile_probs[r * KEY_TILE + j]);
+            const packed_vec p = packed_splat(tile_probs[r * row_words + j]);
 #pragma GCC unroll 8
-            for (int v = 0; v < width; v++) acc[r][v] += p * vv[v];
+            for (int v = 0; v < width; v++) acc[r][v] = multiply_add(acc[r][v], p, vv[v]);
         }
     }
 #pragma GCC unroll 8
@@ -277,9 +390,10 @@ static inline __attribute__((always_inline)) void value_columns(
 }
 
 /* acc[r] = acc[r] * rescale[r] + probs[r] . values[tile] for rows [0, rows) (a multiple of
- * TILE_ROWS): each probability broadcast against whole vectors of a value row. */
-static void tile_values(const float *probs, int64_t rows, const float *values, int64_t dim_pad,
-                        const float *rescale, const TileKeys *keys, float *acc_rows) {
+ * TILE_ROWS): each probability word broadcast against whole vectors of a value word row. */
+static void tile_values(const packed_t *probs, int64_t rows, const packed_t *values,
+                        int64_t dim_pad, const float *rescale, const TileKeys *keys,
+                        float *acc_rows) {
     for (int64_t r0 = 0; r0 < rows; r0 += TILE_ROWS) {
         const int64_t attended = block_keys(keys, r0);
         int64_t c0 = 0;
@@ -293,8 +407,9 @@ static void tile_values(const float *probs, int64_t rows, const float *values, i
 
 /* A thread's scratch for one query tile of one KV head. */
 typedef struct {
-    float *queries; /* [rows_pad / TILE_ROWS][head_dim][TILE_ROWS], scaled (tile_scores) */
-    float *scores;  /* [rows_pad][KEY_TILE] */
+    packed_t *queries; /* [rows_pad / TILE_ROWS][words][TILE_ROWS] (tile_scores, row_word) */
+    float *scores;     /* [rows_pad][KEY_TILE] */
+    packed_t *probs;   /* [rows_pad][KEY_TILE / PER_WORD]: `scores` itself but with PAIRS */
     float *acc;     /* [rows_pad][dim_pad] */
     float *max, *new_max, *rescale; /* [rows_pad] */
     float *sum;           /* [rows_pad][LANES]: each row's running sum, lane by lane */
@@ -305,37 +420,45 @@ static int64_t padded_rows(int64_t group) {
 }
 
 static int scratch_alloc(Scratch *s, int64_t rows_pad, int64_t dim_pad) {
-    s->queries = calloc(rows_pad * dim_pad, sizeof(float));
+    s->queries = calloc(rows_pad * dim_pad, sizeof(float)); /* dim_pad >= words */
     s->scores = malloc(sizeof(float) * rows_pad * KEY_TILE);
+#if PAIRS
+    s->probs = malloc(sizeof(packed_t) * rows_pad * KEY_TILE / PER_WORD);
+#else
+    s->probs = s->scores;
+#endif
     s->acc = malloc(sizeof(float) * rows_pad * dim_pad);
     s->max = malloc(sizeof(float) * rows_pad * (3 + LANES));
     s->new_max = s->max + rows_pad;
     s->rescale = s->new_max + rows_pad;
     s->sum = s->rescale + rows_pad;
-    return s->queries && s->scores && s->acc && s->max ? 0 : -1;
+    return s->queries && s->scores && s->probs && s->acc && s->max ? 0 : -1;
 }
 
 static void scratch_free(Scratch *s) {
     free(s->queries);
+    if (s->probs != (packed_t *)s->scores) free(s->probs);
     free(s->scores);
     free(s->acc);
     free(s->max);
 }
 
 /* Query tile [i0, i1) of KV head g: rows r = (i - i0) * group + h for query head g*group + h. */
-static void query_tile(Scratch *s, const PackedHead *packed, const float *q,
-                       int64_t q_row_stride, float *out, int64_t i0, int64_t i1, int64_t g,
+static void query_tile(Scratch *s, const PackedHead *packed, const kv_t *q,
+                       int64_t q_row_stride, kv_t *out, int64_t i0, int64_t i1, int64_t g,
                        int64_t group, int64_t heads, int64_t head_dim, int64_t dim_pad,
                        int64_t prefix_len, int64_t first, int64_t window, float scale) {
     const int64_t rows = (i1 - i0) * group;
-    const int64_t rows_pad = round_up(rows, TILE_ROWS);
+    const int64_t rows_pad = round_up(rows, TILE_ROWS), words = words_of(head_dim);
     for (int64_t r = 0; r < rows_pad; r++) {
-        float *row = s->queries + (r - r % TILE_ROWS) * head_dim + r % TILE_ROWS;
+        packed_t *row = s->queries + (r - r % TILE_ROWS) * words + r % TILE_ROWS;
         if (r < rows) {
-            const float *src = q + (i0 + r / group) * q_row_stride + (g * group + r % group) * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) row[d * TILE_ROWS] = src[d] * scale;
+            const kv_t *src =
+                q + (i0 + r / group) * q_row_stride + (g * group + r % group) * head_dim;
+            for (int64_t w = 0; w < words; w++)
+                row[w * TILE_ROWS] = row_word(src, w, head_dim, scale);
         } else {
-            for (int64_t d = 0; d < head_dim; d++) row[d * TILE_ROWS] = 0.f;
+            for (int64_t w = 0; w < words; w++) row[w * TILE_ROWS] = 0;
         }
         s->max[r] = -FLT_MAX;
         memset(s->sum + r * LANES, 0, sizeof(float) * LANES);
@@ -349,7 +472,7 @@ static void query_tile(Scratch *s, const PackedHead *packed, const float *q,
     for (int64_t k0 = lowest - lowest % KEY_TILE; k0 <= last; k0 += KEY_TILE) {
         const int64_t position0 = prefix_len + i0 - first;
         const TileKeys keys = {rows, position0, group, k0, window};
-        tile_scores(s->queries, rows_pad, head_dim, packed->keys_t + k0 * head_dim, &keys,
+        tile_scores(s->queries, rows_pad, words, packed->keys_t + k0 * words, &keys, scale,
                     s->scores);
         int64_t lo, hi;
         for (int64_t r = 0; r < rows_pad; r++) {
@@ -366,20 +489,40 @@ static void query_tile(Scratch *s, const PackedHead *packed, const float *q,
             row_span(&keys, r, &lo, &hi);
             row_probabilities(s->scores + r * KEY_TILE, lo, hi, s->max[r], s->rescale[r],
                               s->sum + r * LANES);
+#if PAIRS
+            probability_words(s->scores + r * KEY_TILE, s->probs + r * KEY_TILE / PER_WORD);
+#endif
         }
-        tile_values(s->scores, rows_pad, packed->values + k0 * dim_pad, dim_pad, s->rescale,
-                    &keys, s->acc);
+        tile_values(s->probs, rows_pad, packed->values + k0 / PER_WORD * dim_pad, dim_pad,
+                    s->rescale, &keys, s->acc);
     }
     for (int64_t r = 0; r < rows; r++) {
-        float *dst = out + ((i0 + r / group) * heads + g * group + r % group) * head_dim;
+        kv_t *dst = out + ((i0 + r / group) * heads + g * group + r % group) * head_dim;
         const float inverse = 1.f / across_lanes_sum(load(s->sum + r * LANES));
-        for (int64_t d = 0; d < head_dim; d++) dst[d] = s->acc[r * dim_pad + d] * inverse;
+        for (int64_t d = 0; d < head_dim; d++)
+            dst[d] = kv_rounded(s->acc[r * dim_pad + d] * inverse);
     }
 }
 
+/* Query positions per query tile for a chunk: halved from QUERY_TILE while its tiles times
+ * the KV heads leave fewer than UNITS_PER_THREAD tiles a thread. A 32-token chunk after a long
+ * prefix was a single tile per KV head: SmolLM2-135M's 3 tiles on 2 threads, one idle a third
+ * of the time. Halving down to 8 positions there (2 cores of an AMD EPYC Zen 4, whole steps
+ * alternated, min of 11-15): 0.93-0.94x the step's time in bfloat16 and in float32. */
+static int64_t query_tile_positions(int64_t chunk, int64_t kv_heads, int threads) {
+    int64_t positions = QUERY_TILE;
+    while (positions > MIN_QUERY_TILE
+           && (chunk + positions - 1) / positions * kv_heads < UNITS_PER_THREAD * threads)
+        positions /= 2;
+    return positions;
+}
+
+/* Whether this build multiplies bfloat16 pairs (PAIRS). */
+int paged_prefill_attention_pairs(void) { return PAIRS; }
+
 /* Returns 0, or -1 when scratch memory could not be allocated. */
-int paged_prefill_attention(const float *q, int64_t q_row_stride, const kv_t *key_cache,
-                            const kv_t *value_cache, const int64_t *block_table, float *out,
+int paged_prefill_attention(const kv_t *q, int64_t q_row_stride, const kv_t *key_cache,
+                            const kv_t *value_cache, const int64_t *block_table, kv_t *out,
                             int64_t chunk, int64_t prefix_len, int64_t heads, int64_t kv_heads,
                             int64_t head_dim, int64_t block_size, int64_t window, float scale,
                             int threads) {
@@ -388,9 +531,12 @@ int paged_prefill_attention(const float *q, int64_t q_row_stride, const kv_t *ke
     const int64_t first = window > 0 && prefix_len + 1 > window ? prefix_len + 1 - window : 0;
     const int64_t dim_pad = round_up(head_dim, LANES);
     const int64_t keys_pad = round_up(context - first, KEY_TILE);
-    const int64_t tiles = (chunk + QUERY_TILE - 1) / QUERY_TILE;
+    const int64_t positions = query_tile_positions(chunk, kv_heads, threads);
+    const int64_t tiles = (chunk + positions - 1) / positions;
+    const int64_t words = words_of(head_dim);
+    const int64_t head_words = keys_pad * (words + dim_pad / PER_WORD);
     PackedHead *packed = malloc(sizeof(PackedHead) * kv_heads);
-    float *memory = malloc(sizeof(float) * kv_heads * keys_pad * (head_dim + dim_pad));
+    packed_t *memory = malloc(sizeof(packed_t) * kv_heads * head_words);
     if (packed == NULL || memory == NULL) {
         free(packed);
         free(memory);
@@ -398,8 +544,8 @@ int paged_prefill_attention(const float *q, int64_t q_row_stride, const kv_t *ke
     }
     const int64_t key_tiles = keys_pad / KEY_TILE;
     for (int64_t g = 0; g < kv_heads; g++) {
-        packed[g].keys_t = memory + g * keys_pad * (head_dim + dim_pad);
-        packed[g].values = packed[g].keys_t + keys_pad * head_dim;
+        packed[g].keys_t = memory + g * head_words;
+        packed[g].values = packed[g].keys_t + keys_pad * words;
     }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -421,8 +567,8 @@ int paged_prefill_attention(const float *q, int64_t q_row_stride, const kv_t *ke
         for (int64_t unit = 0; unit < tiles * kv_heads; unit++) {
             if (failed) continue;
             const int64_t tile = tiles - 1 - unit / kv_heads, g = unit % kv_heads;
-            const int64_t i0 = tile * QUERY_TILE;
-            const int64_t i1 = i0 + QUERY_TILE < chunk ? i0 + QUERY_TILE : chunk;
+            const int64_t i0 = tile * positions;
+            const int64_t i1 = i0 + positions < chunk ? i0 + positions : chunk;
             query_tile(&scratch, &packed[g], q, q_row_stride, out, i0, i1, g, group, heads,
                        head_dim, dim_pad, prefix_len, first, window, scale);
         }
