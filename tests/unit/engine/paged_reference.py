@@ -35,10 +35,9 @@ def reference(
         out = []
         for h in range(heads):
             scores = k[:, h // group] @ q[row, h] / math.sqrt(head_dim)
-            numerators = torch.exp(scores.double() - scores.max())
-            if probabilities is not None:
-                numerators = numerators.to(probabilities).double()
-            weights = numerators / torch.exp(scores.double() - scores.max()).sum()
+            exps = torch.exp(scores.double() - scores.max())
+            numerators = exps if probabilities is None else exps.to(probabilities).double()
+            weights = numerators / exps.sum()
             out.append(weights.float() @ v[:, h // group])
         rows.append(torch.stack(out))
     return torch.stack(rows)
