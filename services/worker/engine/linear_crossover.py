@@ -10,10 +10,12 @@ first layer run on both products at CANDIDATE_ROWS rows (a bfloat16 model's at
 BFLOAT16_CANDIDATE_ROWS), alternated, in REPEATS rounds, the best of each,
 and oneDNN takes the layers' projections from the smallest candidate at which it ran them
 more than MARGIN faster and at every larger candidate (none: the panel kernel keeps them
-all). A step of that many rows runs layer by layer (the runner's choice), so one count for
-the whole layer: oneDNN for one projection of it would cost the step the fused path and win
-back only that projection's share. Where oneDNN takes some rows, every layer's weights get
-its reordered copy then, not in the first long step: a third copy of them in memory.
+all; where it ran the largest faster but not by that margin at each, a second set of rounds
+decides on the best runs of both). A step of that many rows runs layer by layer (the
+runner's choice), so one count for the whole layer: oneDNN for one projection of it would
+cost the step the fused path and win back only that projection's share. Where oneDNN takes
+some rows, every layer's weights get its reordered copy then, not in the first long step: a
+third copy of them in memory.
 """
 
 from __future__ import annotations
@@ -116,19 +118,40 @@ class Crossover:
         for rows_inputs in inputs:
             for product in products:
                 _seconds(product, weights, rows_inputs)  # its copies made, and warm, untimed
-        # Rounds over every candidate, not one candidate's runs back to back: a burst of other
-        # work on the host then spoils one run of several candidates, not every run of one.
-        # On a 2-core AMD EPYC Zen 4, where eight measurements in a row gave oneDNN 0.94x the
-        # panel kernel's time at 512 rows and 0.91x at 1,024, one start (bench.peers' steps
-        # child, three runs back to back) measured it not faster somewhere, and the panel
-        # kernel kept every step: 512-token prefill steps 1.05x oneDNN's time.
         panel_s = [float("inf")] * len(inputs)
         packed_s = [float("inf")] * len(inputs)
+        self._rounds(weights, inputs, panel_s, packed_s)
+        start = first_faster_rows(self.candidate_rows, panel_s, packed_s, MARGIN)
+        if start is None and packed_s[-1] < panel_s[-1]:
+            # oneDNN ran the largest candidate faster, but not by the margin at every larger
+            # one: a second set of rounds, each product's fastest run of both sets counting.
+            # Sixteen starts on a 2-core AMD EPYC Zen 4 (2026-12-06) gave 256 or 512 rows in
+            # twelve, 1,024 in two and none in two, those in noisy minutes of the host (oneDNN
+            # 0.977x and 0.998x the panel kernel's time at 1,024 rows, against 0.90-0.94x in
+            # the quiet starts); one that takes none keeps its prefill steps on the panel
+            # kernel for its lifetime, 1.03-1.05x the time from 512 tokens there.
+            self._rounds(weights, inputs, panel_s, packed_s)
+            start = first_faster_rows(self.candidate_rows, panel_s, packed_s, MARGIN)
+        return start
+
+    def _rounds(
+        self,
+        weights: Sequence[torch.Tensor],
+        inputs: Sequence[Sequence[torch.Tensor]],
+        panel_s: list[float],
+        packed_s: list[float],
+    ) -> None:
+        """REPEATS rounds, each product's fastest run at each candidate kept in panel_s and
+        packed_s. Rounds over every candidate, not one candidate's runs back to back: a burst
+        of other work on the host then spoils one run of several candidates, not every run of
+        one. On a 2-core AMD EPYC Zen 4, where eight measurements in a row gave oneDNN 0.94x
+        the panel kernel's time at 512 rows and 0.91x at 1,024, one start (bench.peers' steps
+        child, three runs back to back) measured it not faster somewhere, and the panel kernel
+        kept every step: 512-token prefill steps 1.05x oneDNN's time."""
         for _ in range(REPEATS):
             for index, rows_inputs in enumerate(inputs):
                 panel_s[index] = min(panel_s[index], _seconds(self.panels, weights, rows_inputs))
                 packed_s[index] = min(packed_s[index], _seconds(self.packed, weights, rows_inputs))
-        return first_faster_rows(self.candidate_rows, panel_s, packed_s, MARGIN)
 
 
 def first_faster_rows(
