@@ -147,12 +147,11 @@ static int project(const Model *model, const element *x, int64_t rows, int64_t x
     return 0;
 }
 
-/* Rows [first, first + count) of qkv's queries (its first q_width elements a row) as float32
- * rows of q, q_width apart, as the decode attention reads them: copied, or widened from
- * bfloat16. */
-static void widen_queries(const element *qkv, int64_t qkv_width, int64_t q_width, int64_t first,
-                          int64_t count, float *q) {
-    for (int64_t r = first; r < first + count; r++)
+/* The first `count` rows of qkv's queries (its first q_width elements a row) as float32 rows
+ * of q, q_width apart, as the decode attention reads them: copied, or widened from bfloat16. */
+static void widen_queries(const element *qkv, int64_t qkv_width, int64_t q_width, int64_t count,
+                          float *q) {
+    for (int64_t r = 0; r < count; r++)
         for (int64_t k = 0; k < q_width; k++)
             q[r * q_width + k] = kv_value(qkv[r * qkv_width + k]);
 }
@@ -164,8 +163,8 @@ static int attend_chunk(const Model *model, const Layer *layer, const Chunk *chu
                         int64_t first, int64_t count, const element *qkv, int64_t qkv_width,
                         int64_t q_width, element *out, int64_t out_row) {
     return model->prefill_attention(qkv + first * qkv_width, qkv_width, layer->key_cache,
-                                    layer->value_cache,
-                                    chunk->block_table, out + out_row * q_width, count,
+                                    layer->value_cache, chunk->block_table,
+                                    out + out_row * q_width, count,
                                     chunk->prefix_len + first - chunk->row_start, model->heads,
                                     model->kv_heads, model->head_dim, model->block_size,
                                     model->window, model->scale, model->threads);
@@ -240,7 +239,7 @@ int decode_layers(const Model *model, const Layer *layers, int64_t num_layers, e
         model->rope_store(qkv, rows, qkv_width, model->heads, model->kv_heads, model->head_dim,
                           rotations, slots, layer->key_cache, layer->value_cache, threads);
         if (decode_rows > 0) {
-            widen_queries(qkv, qkv_width, q_width, 0, decode_rows, q);
+            widen_queries(qkv, qkv_width, q_width, decode_rows, q);
             status = model->attention(q, layer->key_cache, layer->value_cache, block_tables,
                                       context_lens, attn_out, decode_rows, model->heads,
                                       model->kv_heads, model->head_dim, model->block_size,
