@@ -181,6 +181,16 @@ def cpu_vendor() -> str:
     return ""
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """/proc/cpuinfo's feature flags ("avx512f", "amx_bf16", ...), empty where it has none."""
+    for line in _cpuinfo_lines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
 def _cpuinfo_lines() -> list[str]:
     try:
         return Path("/proc/cpuinfo").read_text().splitlines()

@@ -11,24 +11,31 @@ default model's shape (9 query heads, 3 KV heads, head_dim 64; AMD EPYC Zen 4, 2
 (KV_BFLOAT16: each K/V and query element widened as it is packed, the output rounded once):
 SmolLM2-135M's 1,056-token prefill step in bfloat16 on the same CPU, 865 against 999 ms with
 torch's bfloat16 flash attention, 512 tokens 384 against 462. On AMD its BFLOAT16_PAIRS build
-multiplies bfloat16 pairs instead (BFLOAT16_PAIRS_VENDORS). kernel_build.py compiles and
-caches it.
+multiplies bfloat16 pairs instead (BFLOAT16_PAIRS_VENDORS), and where the CPU has AMX its
+AMX_TILES build multiplies them on AMX tiles (on an Intel Xeon with AMX, a 1,056-token
+bfloat16 prefill step 0.79x the widening build's time, 32 tokens after a 1,024-token prefix
+0.81-0.82x). kernel_build.py compiles and caches it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 
 import torch
 
 from services.worker.engine.kernel_build import (
     KV_BUILDS,
+    KernelUnavailable,
     choose_kernel,
+    cpu_flags,
     cpu_vendor,
     load_library,
     profiled,
 )
+
+logger = logging.getLogger(__name__)
 
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -38,8 +45,10 @@ _INT = ctypes.c_int64
 # both builds alternated in one process, min of 9, two runs: a 1,056-token prefill 0.89-0.90x
 # the time, 32 tokens after a 1,024-token prefix 0.80-0.82x, 8 chunks of 128 tokens
 # 0.96-0.99x, one of 128 a tie. Not Intel: on the Xeon (family 6 model 207) vdpbf16ps did no
-# more products a cycle than float32's FMAs (linear_kernel.BFLOAT16_FMA_VENDORS), and the
-# pairs build has not been timed there.
+# more products a cycle than float32's FMAs (linear_kernel.BFLOAT16_FMA_VENDORS), and on the
+# model 167 (with AMX) the pairs build on vectors took 1.25x the widening build's time for a
+# 1,056-token prefill step; where the CPU has AMX the pairs go on its tiles instead
+# (load_prefill_kernel's tiles), on any vendor.
 BFLOAT16_PAIRS_VENDORS = frozenset({"AuthenticAMD"})
 
 
@@ -56,6 +65,12 @@ class PrefillKernel:
         library.paged_prefill_attention_pairs.restype = ctypes.c_int
         self.pairs = bool(library.paged_prefill_attention_pairs())
         """Whether it multiplies bfloat16 pairs (the BFLOAT16_PAIRS build on AVX-512 BF16)."""
+        library.paged_prefill_attention_tiles.restype = ctypes.c_int
+        tiles = library.paged_prefill_attention_tiles()
+        if tiles < 0:
+            raise KernelUnavailable("Linux refused this process AMX's tile registers")
+        self.tiles = tiles == 1
+        """Whether it multiplies on AMX tiles (the AMX_TILES build where the CPU has AMX)."""
 
     def __call__(
         self,
@@ -121,14 +136,34 @@ def choose_prefill_kernel(
 
 @functools.cache
 def load_prefill_kernel(
-    num_threads: int, dtype: torch.dtype = torch.float32, pairs: bool | None = None
+    num_threads: int,
+    dtype: torch.dtype = torch.float32,
+    pairs: bool | None = None,
+    tiles: bool | None = None,
 ) -> PrefillKernel:
     """The kernel for a cache of `dtype`, compiled on first use (KernelUnavailable when it
-    cannot be). pairs: a bfloat16 cache's BFLOAT16_PAIRS build (it multiplies pairs only
-    where the CPU has AVX-512 BF16: PrefillKernel.pairs); None: by this CPU's vendor
-    (BFLOAT16_PAIRS_VENDORS)."""
+    cannot be). For a bfloat16 cache: pairs, its BFLOAT16_PAIRS build (it multiplies pairs
+    only where the CPU has AVX-512 BF16: PrefillKernel.pairs), None by this CPU's vendor
+    (BFLOAT16_PAIRS_VENDORS) or where tiles are taken; tiles, its AMX_TILES build, which
+    multiplies the pairs on AMX tiles where the CPU has them (PrefillKernel.tiles), None
+    where the CPU has AMX-BF16 and Linux grants this process the tiles, unless pairs is
+    False."""
+    if dtype != torch.bfloat16:
+        return PrefillKernel(load_library("paged_prefill_attention", KV_BUILDS[dtype]), num_threads)
+    if tiles is None:
+        if pairs is not False and "amx_bf16" in cpu_flags():
+            try:
+                return load_prefill_kernel(num_threads, dtype, pairs, tiles=True)
+            except KernelUnavailable as exc:
+                logger.warning("prefill attention without AMX tiles: %s", exc)
+        tiles = False
     if pairs is None:
-        pairs = cpu_vendor() in BFLOAT16_PAIRS_VENDORS
-    pairs_build = ("BFLOAT16_PAIRS",) if pairs and dtype == torch.bfloat16 else ()
-    library = load_library("paged_prefill_attention", (*KV_BUILDS[dtype], *pairs_build))
-    return PrefillKernel(library, num_threads)
+        pairs = tiles or cpu_vendor() in BFLOAT16_PAIRS_VENDORS
+    if tiles and not pairs:
+        raise ValueError("the AMX_TILES build multiplies bfloat16 pairs: pairs cannot be False")
+    builds = [*KV_BUILDS[dtype]]
+    if pairs:
+        builds.append("BFLOAT16_PAIRS")
+    if tiles:
+        builds.append("AMX_TILES")
+    return PrefillKernel(load_library("paged_prefill_attention", tuple(builds)), num_threads)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.kernel_build import cpu_flags
 from services.worker.engine.prefill_kernel import load_prefill_kernel
 from tests.unit.engine.paged_reference import BLOCK_SIZE, reference
 
@@ -83,7 +84,7 @@ def test_bfloat16_build_is_the_float32_one_on_the_widened_caches(
     blocks = torch.tensor(table)
 
     kernel = load_prefill_kernel(threads, torch.bfloat16, pairs=False)
-    assert not kernel.pairs
+    assert not kernel.pairs and not kernel.tiles
     got = kernel(q, keys, values, blocks, prefix, window)
     widened = load_prefill_kernel(threads)(
         q.float(), keys.float(), values.float(), blocks, prefix, window
@@ -95,23 +96,34 @@ def test_bfloat16_build_is_the_float32_one_on_the_widened_caches(
     torch.testing.assert_close(got.float(), reference_out, atol=1e-2, rtol=1e-2)
 
 
-# Odd head_dim: the last pair of each query and key is padded with a zero.
+# Odd head_dim: the last pair of each query and key is padded with a zero (and with AMX tiles
+# to 16 pairs); head_dim 128: the AMX build's sums in two sets of four tiles.
+@pytest.mark.parametrize("tiles", [False, True], ids=["vectors", "amx"])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     ("prefix", "chunk", "window", "head_dim"),
-    [(0, 150, 0, 64), (130, 70, 0, 64), (40, 100, 24, 64), (1000, 32, 0, 64), (21, 50, 0, 15)],
+    [
+        (0, 150, 0, 64),
+        (130, 70, 0, 64),
+        (40, 100, 24, 64),
+        (1000, 32, 0, 64),
+        (21, 50, 0, 15),
+        (70, 40, 0, 128),
+    ],
 )
 def test_bfloat16_pairs_build_rounds_only_the_probabilities(
-    threads: int, prefix: int, chunk: int, window: int, head_dim: int
+    tiles: bool, threads: int, prefix: int, chunk: int, window: int, head_dim: int
 ) -> None:
-    """The build that multiplies bfloat16 pairs (AVX-512 BF16): plain attention on the same
-    bfloat16 inputs with each softmax numerator rounded to bfloat16 before it weighs the
-    values, within bfloat16's rounding of them and of the output (a probability is rounded
-    against the running max, the reference's against the final one), and on average far
-    closer, so that a key or value misread shows."""
-    kernel = load_prefill_kernel(threads, torch.bfloat16, pairs=True)
+    """The builds that multiply bfloat16 pairs, on AVX-512 BF16 vectors or on AMX tiles:
+    plain attention on the same bfloat16 inputs with each softmax numerator rounded to
+    bfloat16 before it weighs the values, within bfloat16's rounding of them and of the
+    output (a probability is rounded against the running max, the reference's against the
+    final one), and on average far closer, so that a key or value misread shows."""
+    kernel = load_prefill_kernel(threads, torch.bfloat16, pairs=True, tiles=tiles)
     if not kernel.pairs:
         pytest.skip("no AVX-512 BF16 here: the pairs build widens")
+    if tiles and not kernel.tiles:
+        pytest.skip("no AMX here: the AMX_TILES build multiplies pairs on vectors")
     generator = torch.Generator().manual_seed(prefix + chunk + threads + head_dim)
     keys, values, table = paged_context(generator, prefix + chunk, 3, head_dim)
     keys, values = keys.bfloat16(), values.bfloat16()
@@ -162,3 +174,12 @@ def test_large_scores_stay_finite_and_exact() -> None:
 def test_config_refuses_an_unknown_mode() -> None:
     with pytest.raises(ValueError, match="prefill_attention must be one of"):
         EngineConfig(prefill_attention="flash").validate()
+
+
+def test_bfloat16_caches_take_amx_tiles_where_the_cpu_has_them() -> None:
+    """By default a bfloat16 cache's kernel multiplies on AMX tiles exactly where the CPU
+    has AMX-BF16 (Linux grants the tiles to any process that asks), and then in pairs."""
+    kernel = load_prefill_kernel(2, torch.bfloat16)
+    assert kernel.tiles == ("amx_bf16" in cpu_flags())
+    assert kernel.pairs or not kernel.tiles
+    assert not load_prefill_kernel(2).tiles
