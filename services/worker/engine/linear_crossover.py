@@ -41,7 +41,8 @@ BFLOAT16_CANDIDATE_ROWS = (8, 32, 128, 512)
 """Row counts measured for a bfloat16 model, whose steps all run layer by layer: from the
 decode sizes, where oneDNN's AMX code may already be the faster one (the panel kernel's
 bfloat16 build runs AVX-512 BF16; on an AMD EPYC Zen 4, without AMX, it took 0.68-0.87x
-oneDNN's time at 8-32 rows and tied from 128)."""
+oneDNN's time at 8-32 rows and tied from 128; on an Intel Xeon with AMX, oneDNN took the
+steps from 32 rows while the panel kernel ran FMAs, from 128 once it ran AMX tiles)."""
 REPEATS = 5
 """Rounds over the candidates, each running both products at each; each product's fastest
 run at a candidate counts (the least disturbed)."""

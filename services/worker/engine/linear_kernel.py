@@ -35,6 +35,7 @@ from services.worker.engine.huge_pages import huge_page_bytes
 from services.worker.engine.kernel_build import (
     KernelUnavailable,
     choose_kernel,
+    cpu_flags,
     cpu_vendor,
     load_library,
 )
@@ -79,7 +80,9 @@ EVEN_TILES_VENDORS = frozenset({"GenuineIntel"})
 # AMD EPYC Zen 4 the vdpbf16ps build ran bfloat16 steps at about twice float32's speed
 # (BENCHMARKS.md, "Peers ... in bfloat16").
 BFLOAT16_FMA_VENDORS = frozenset({"GenuineIntel"})
-# The panel kernel's build defines, each with the CPU vendors it is built for.
+# The panel kernel's build defines, each with the CPU vendors it is built for; where the CPU has
+# AMX-BF16, its AMX_TILES build runs a bfloat16 model's products on AMX tiles instead of the
+# FMA build (panel_library; kernels/panel_linear.c).
 PANEL_BUILDS = {"EVEN_TILES": EVEN_TILES_VENDORS, "BFLOAT16_FMA": BFLOAT16_FMA_VENDORS}
 # The CPUs, by vendor (/proc/cpuinfo's vendor_id) and the kernels' vector width (kernel_lanes),
 # on which "auto" runs the panel kernel prefetching its next panel, its rows in blocks that
@@ -635,6 +638,10 @@ def bfloat16_panels(num_threads: int, prefetch: bool | None = None) -> PanelLine
     library.panel_linear_bfloat16_built.restype = ctypes.c_int
     if not library.panel_linear_bfloat16_built():
         return None
+    library.panel_linear_bfloat16_tiles.restype = ctypes.c_int
+    if library.panel_linear_bfloat16_tiles() < 0:
+        logger.warning("the panel kernel without AMX tiles: Linux refused them to this process")
+        library = panel_library(tiles=False)
     if prefetch is None:
         prefetch = (cpu_vendor(), 16) in PREFETCH_BY_DEFAULT  # an AVX-512 build: 16 lanes
     return PanelLinear(library, num_threads, prefetch, torch.bfloat16)
@@ -677,10 +684,14 @@ class PanelLinear(LaidOutLinear):
         pack.argtypes = [_POINTER, _INT, _INT, _POINTER]  # weight, outs, ins, panels
         library.panel_linear_width.restype = ctypes.c_int
         width = library.panel_linear_width()
+        depth_of = library.panel_linear_bfloat16_depth if bfloat16 else None
+        if depth_of is not None:
+            depth_of.restype = _INT
+            depth_of.argtypes = [_INT]
 
         def packed(weight: torch.Tensor) -> torch.Tensor:
             outs, ins = weight.shape
-            depth = ins + ins % 2 if bfloat16 else ins
+            depth = depth_of(ins) if depth_of is not None else ins
             panels = weight.new_empty(-(-outs // width) * depth * width)
             pack(weight.contiguous().data_ptr(), outs, ins, panels.data_ptr())
             return panels
@@ -800,11 +811,16 @@ def load_linear_kernel(num_threads: int, large_mode: str = "torch") -> SmallBatc
     return SmallBatchLinear(library, num_threads, large=large, crossover=crossover)
 
 
-def panel_library() -> ctypes.CDLL:
+def panel_library(tiles: bool | None = None) -> ctypes.CDLL:
     """The panel kernel's library, built for this CPU's vendor (EVEN_TILES_VENDORS,
-    BFLOAT16_FMA_VENDORS)."""
+    BFLOAT16_FMA_VENDORS) and, with tiles, its AMX_TILES build: a bfloat16 model's products on
+    AMX tiles (on an FMA vendor in place of the FMA build); None: where the CPU has AMX-BF16."""
+    if tiles is None:
+        tiles = "amx_bf16" in cpu_flags()
     vendor = cpu_vendor()
     defines = [name for name, vendors in PANEL_BUILDS.items() if vendor in vendors]
+    if tiles:
+        defines = [name for name in defines if name != "BFLOAT16_FMA"] + ["AMX_TILES"]
     return load_library("panel_linear", tuple(defines))
 
 

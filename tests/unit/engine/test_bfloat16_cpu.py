@@ -8,6 +8,7 @@ kernel's bfloat16 build: test_decode_kernel.py.)"""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 from pathlib import Path
@@ -189,18 +190,25 @@ def test_small_steps_stream_what_onednn_computes(
 @pytest.mark.parametrize("fused", ["", "norm+bias", "gated+residual"])
 @pytest.mark.parametrize(("ins", "outs"), [(576, 960), (41, 7), (64, 33), (1536, 576)])
 @pytest.mark.parametrize("rows", [4, 5, 8, 13, 32, 70])
-@pytest.mark.parametrize("build", [(), ("BFLOAT16_FMA",)])
+@pytest.mark.parametrize(
+    "build", [(), ("BFLOAT16_FMA",), ("AMX_TILES",)], ids=["vdpbf16ps", "fma", "amx"]
+)
 def test_larger_steps_on_the_panel_kernel_compute_what_onednn_computes(
     build: tuple[str, ...], rows: int, ins: int, outs: int, fused: str, threads: int
 ) -> None:
-    """Steps of more rows than stream, on the panel kernel's bfloat16 build (vdpbf16ps, or
-    float32 FMAs on widened operands), oneDNN not called: each output within one bfloat16 step
-    of oneDNN's product of the same operands plus what summing in float32 in another order may
-    move it, the residual added after the rounded product. Row tiles whole and cut, output
-    panels whole and cut, an odd input count (its last input paired with a zero)."""
+    """Steps of more rows than stream, on the panel kernel's bfloat16 build (vdpbf16ps,
+    float32 FMAs on widened operands, or AMX tiles), oneDNN not called: each output within one
+    bfloat16 step of oneDNN's product of the same operands plus what summing in float32 in
+    another order may move it, the residual added after the rounded product. Row tiles whole
+    and cut (AMX: 16-row tiles in pairs, a lone last one), output panels whole and cut, an odd
+    input count (its last input paired with a zero; AMX: inputs padded to whole tiles)."""
+    panel_build = load_library("panel_linear", build)
+    panel_build.panel_linear_bfloat16_tiles.restype = ctypes.c_int
+    if "AMX_TILES" in build and panel_build.panel_linear_bfloat16_tiles() != 1:
+        pytest.skip("no AMX here")
     module, call = bfloat16_case(ins, outs, rows, fused, weight_seed=ins, seed=rows * 100 + outs)
     library = load_library("small_batch_linear")
-    built = PanelLinear(load_library("panel_linear", build), threads, True, torch.bfloat16)
+    built = PanelLinear(panel_build, threads, True, torch.bfloat16)
     panels = PackedProject(library, threads, small_max_rows=0, panels=built)
     onednn = PackedProject(library, threads, small_max_rows=0)
     got = call.run(panels, module).float()
@@ -212,12 +220,13 @@ def test_larger_steps_on_the_panel_kernel_compute_what_onednn_computes(
 @pytest.mark.skipif(not PANELS_BUILT, reason="the kernels are not built for AVX-512 BF16 here")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("ins", "outs"), [(576, 960), (41, 7), (1536, 576)])
-@pytest.mark.parametrize("rows", [5, 8, 32, 70])
+@pytest.mark.parametrize("rows", [5, 8, 32, 70, 2500])
 def test_the_streaming_bfloat16_panels_compute_the_same_bits(
     rows: int, ins: int, outs: int, threads: int
 ) -> None:
     """The panel kernel's bfloat16 build asking for its next panel while it runs one (and its
-    rows in blocks) gives the same bits as without: what it asks for ahead changes no sum."""
+    rows in blocks: 2,500 rows of 576 or 1,536 inputs are more than one block) gives the same
+    bits as without: what it asks for ahead changes no sum, nor where a block starts."""
     module, call = bfloat16_case(ins, outs, rows, "norm+bias", weight_seed=ins, seed=rows + outs)
     library = load_library("small_batch_linear")
     results = []

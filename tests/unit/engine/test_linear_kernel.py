@@ -343,13 +343,21 @@ def test_row_tiles_are_even_on_avx2_where_every_tile_keeps_5_rows_or_more(build:
 
 
 @pytest.mark.parametrize(
-    ("vendor", "defines"),
-    [("GenuineIntel", ("EVEN_TILES", "BFLOAT16_FMA")), ("AuthenticAMD", ())],
+    ("vendor", "flags", "defines"),
+    [
+        ("GenuineIntel", {"avx512_bf16"}, ("EVEN_TILES", "BFLOAT16_FMA")),
+        ("GenuineIntel", {"avx512_bf16", "amx_bf16"}, ("EVEN_TILES", "AMX_TILES")),
+        ("AuthenticAMD", {"avx512_bf16"}, ()),
+        ("AuthenticAMD", {"amx_bf16"}, ("AMX_TILES",)),
+    ],
 )
-def test_the_panel_kernel_is_built_for_the_cpus_vendor(
-    monkeypatch: pytest.MonkeyPatch, vendor: str, defines: tuple[str, ...]
+def test_the_panel_kernel_is_built_for_the_cpus_vendor_and_amx(
+    monkeypatch: pytest.MonkeyPatch, vendor: str, flags: set[str], defines: tuple[str, ...]
 ) -> None:
+    """By vendor (EVEN_TILES_VENDORS, BFLOAT16_FMA_VENDORS), and where the CPU has AMX-BF16
+    its bfloat16 products on AMX tiles, in place of the FMA build."""
     monkeypatch.setattr(linear_kernel, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linear_kernel, "cpu_flags", lambda: frozenset(flags))
     built: list[tuple[str, tuple[str, ...]]] = []
 
     def load(name: str, given: tuple[str, ...] = ()) -> None:
