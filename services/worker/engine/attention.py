@@ -5,9 +5,12 @@ then each prefill chunk as a contiguous run of rows. On CPU (float32 or bfloat16
 go through one call of the C kernel, which reads each row's blocks in place (decode_kernel.py).
 Elsewhere they are attended in groups of similar context length, one padded, masked SDPA call
 per group (the planner trades padding against calls). Each prefill chunk gets its own attention
-(its queries would make a padded batch mostly padding): on CPU one call of the C
-prefill kernel, which reads the chunk's whole context through its block table
-(prefill_kernel.py); without it, on CPU, a chunk after a cached prefix attends to the prefix
+(its queries would make a padded batch mostly padding): on CPU the C prefill kernel, which
+reads the chunk's whole context through its block table (prefill_kernel.py), all of a step's
+chunks in one call of it (SmolLM2-135M on 2 cores of an Intel Xeon with AMX, alternated in
+one process, min of 9: a step of eight 128-token prompts 0.97x the time of a call per chunk
+in bfloat16, 0.98x in float32; sixteen 64-token prompts 0.93x and 0.98x); without it, on CPU,
+a chunk after a cached prefix attends to the prefix
 and to itself in two flash-attention calls merged by their log-sum-exps, where one masked call
 would compute the masked half too.
 Everything that does not change from layer to layer (flat block ids, masks, cache views) is
@@ -196,9 +199,32 @@ def paged_attention(
         queries = q[group.row_start : group.row_end].view(entries, num_kv_heads, -1, head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask)
         outputs.append(out.reshape(entries, -1, head_dim))
-    for span in batch.prefills:
-        outputs.append(prefill_attention(q, k, v, cache, span))
+    if (kernel := chunks_kernel(batch.prefills)) is not None:
+        spans = batch.prefills
+        outputs.append(
+            kernel.chunks(
+                q[spans[0].row_start : spans[-1].row_end],
+                cache.key_blocks,
+                cache.value_blocks,
+                [span.row_end - span.row_start for span in spans],
+                [span.prefix_len for span in spans],
+                [span.block_ids for span in spans],
+                spans[0].window,
+            )
+        )
+    else:
+        outputs += [prefill_attention(q, k, v, cache, span) for span in batch.prefills]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def chunks_kernel(spans: list[PrefillSpan]) -> PrefillKernel | None:
+    """The kernel that attends all of a step's chunks in one call, where there are several
+    and one kernel attends them all with one window (the runner plans them so, one after
+    another); else None: a call per chunk."""
+    kernel = spans[0].kernel if len(spans) > 1 else None
+    if kernel is None or any(s.kernel is not kernel or s.window != spans[0].window for s in spans):
+        return None
+    return kernel
 
 
 def prefill_attention(

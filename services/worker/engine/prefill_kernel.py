@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import logging
 
 import torch
@@ -62,6 +63,14 @@ class PrefillKernel:
             [_POINTER] + [_INT] + [_POINTER] * 4 + [_INT] * 7 + [ctypes.c_float, ctypes.c_int]
         )
         self.num_threads = num_threads
+        self.chunks_function = library.paged_prefill_attention_chunks
+        self.chunks_function.restype = ctypes.c_int
+        self.chunks_function.argtypes = (
+            *(_INT, _POINTER, _INT),  # count, q, q row stride
+            *(_POINTER,) * 6,  # starts, prefix lengths, tables, key/value caches, out
+            *(_INT,) * 5,  # heads, kv heads, head_dim, block size, window
+            *(ctypes.c_float, ctypes.c_int),
+        )
         library.paged_prefill_attention_pairs.restype = ctypes.c_int
         self.pairs = bool(library.paged_prefill_attention_pairs())
         """Whether it multiplies bfloat16 pairs (the BFLOAT16_PAIRS build on AVX-512 BF16)."""
@@ -105,6 +114,52 @@ class PrefillKernel:
                 out.data_ptr(),
                 chunk,
                 prefix_len,
+                heads,
+                key_blocks.shape[2],
+                head_dim,
+                key_blocks.shape[1],
+                window,
+                head_dim**-0.5,
+                self.num_threads,
+            )
+        if status != 0:
+            raise MemoryError("the prefill-attention kernel could not allocate its scratch memory")
+        return out
+
+    def chunks(
+        self,
+        q: torch.Tensor,
+        key_blocks: torch.Tensor,
+        value_blocks: torch.Tensor,
+        lengths: list[int],
+        prefix_lens: list[int],
+        block_tables: list[torch.Tensor],
+        window: int = 0,
+    ) -> torch.Tensor:
+        """Several chunks of one step in one call, as __call__ on each: q [rows, heads, dim]
+        holds them one after another (lengths[i] rows each, rows may be strided), chunk i
+        after prefix_lens[i] cached tokens, read through block_tables[i] -> [rows, heads,
+        dim]. One parallel region for all: SmolLM2-135M's step of eight 128-token prompts
+        (the serving row's burst) called it 240 times a step, one chunk at a time."""
+        q = q.to(key_blocks.dtype)
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()
+        count = len(lengths)
+        rows, heads, head_dim = q.shape
+        tables = [table.contiguous() for table in block_tables]  # held: read by address
+        starts = (ctypes.c_int64 * (count + 1))(0, *itertools.accumulate(lengths))
+        out = torch.empty((rows, heads, head_dim), dtype=key_blocks.dtype)
+        with profiled("kvmesh::paged_prefill_attention"):
+            status = self.chunks_function(
+                count,
+                q.data_ptr(),
+                q.stride(0),
+                starts,
+                (ctypes.c_int64 * count)(*prefix_lens),
+                (ctypes.c_void_p * count)(*(table.data_ptr() for table in tables)),
+                key_blocks.data_ptr(),
+                value_blocks.data_ptr(),
+                out.data_ptr(),
                 heads,
                 key_blocks.shape[2],
                 head_dim,

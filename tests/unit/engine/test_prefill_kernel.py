@@ -183,3 +183,38 @@ def test_bfloat16_caches_take_amx_tiles_where_the_cpu_has_them() -> None:
     assert kernel.tiles == ("amx_bf16" in cpu_flags())
     assert kernel.pairs or not kernel.tiles
     assert not load_prefill_kernel(2).tiles
+
+
+@pytest.mark.parametrize("window", [0, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_steps_chunks_in_one_call_are_the_calls_per_chunk(
+    threads: int, dtype: torch.dtype, window: int
+) -> None:
+    """Chunks of one step (lengths 1 to 150, after no prefix, a prefix mid-block and one of
+    several key tiles, each through its own scattered blocks) attended in one call: bit for
+    bit what a call per chunk gives (the default build for the dtype), rows in order."""
+    generator = torch.Generator().manual_seed(threads + window)
+    chunks = [(0, 37), (21, 50), (130, 70), (0, 1), (300, 150), (5, 8)]  # (prefix, length)
+    keys = torch.randn(200, BLOCK_SIZE, 3, 64, generator=generator).to(dtype)
+    values = torch.randn(200, BLOCK_SIZE, 3, 64, generator=generator).to(dtype)
+    order = torch.randperm(200, generator=generator)
+    tables, used = [], 0
+    for prefix, length in chunks:
+        blocks = math.ceil((prefix + length) / BLOCK_SIZE)
+        tables.append(order[used : used + blocks])
+        used += blocks
+    rows = sum(length for _, length in chunks)
+    q = torch.randn(rows, 12, 64, generator=generator).to(dtype)[:, :9]  # rows strided
+    kernel = load_prefill_kernel(threads, dtype)
+
+    together = kernel.chunks(
+        q, keys, values, [n for _, n in chunks], [p for p, _ in chunks], tables, window
+    )
+
+    apart, row = [], 0
+    for (prefix, length), table in zip(chunks, tables, strict=True):
+        apart.append(kernel(q[row : row + length], keys, values, table, prefix, window))
+        row += length
+    assert together.dtype == dtype
+    assert torch.equal(together, torch.cat(apart))

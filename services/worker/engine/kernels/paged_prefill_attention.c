@@ -683,41 +683,70 @@ int paged_prefill_attention_tiles(void) {
 #endif
 }
 
-/* Returns 0, or -1 when scratch memory could not be allocated. */
-int paged_prefill_attention(const kv_t *q, int64_t q_row_stride, const kv_t *key_cache,
-                            const kv_t *value_cache, const int64_t *block_table, kv_t *out,
-                            int64_t chunk, int64_t prefix_len, int64_t heads, int64_t kv_heads,
-                            int64_t head_dim, int64_t block_size, int64_t window, float scale,
-                            int threads) {
+/* One chunk of a call: its queries (rows q_row_stride apart) and output rows, its block table,
+ * and what the call derives from them: the context's first key (a window's start), its
+ * key tiles, its query tiles of `positions` positions, and its KV heads' packed context. */
+typedef struct {
+    const kv_t *q;
+    kv_t *out;
+    const int64_t *table;
+    int64_t chunk, prefix_len, first, key_tiles, positions, tiles;
+    PackedHead *packed;
+} Chunk;
+
+/* The chunks' attention in one parallel region: every chunk's key tiles packed (shared out
+ * statically), then every chunk's query tiles shared out dynamically, the largest first.
+ * Returns 0, or -1 when memory could not be allocated. */
+static int attend_chunks(Chunk *chunks, int64_t count, int64_t q_row_stride,
+                         const kv_t *key_cache, const kv_t *value_cache, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window,
+                         float scale, int threads) {
     const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
-    const int64_t context = prefix_len + chunk;
-    const int64_t first = window > 0 && prefix_len + 1 > window ? prefix_len + 1 - window : 0;
-    const int64_t dim_pad = round_up(head_dim, LANES);
-    const int64_t keys_pad = round_up(context - first, KEY_TILE);
-    const int64_t positions = query_tile_positions(chunk, kv_heads, threads);
-    const int64_t tiles = (chunk + positions - 1) / positions;
-    const int64_t words = words_of(head_dim);
-    const int64_t head_words = keys_pad * (words + dim_pad / PER_WORD);
-    PackedHead *packed = malloc(sizeof(PackedHead) * kv_heads);
-    packed_t *memory = malloc(sizeof(packed_t) * kv_heads * head_words);
+    const int64_t dim_pad = round_up(head_dim, LANES), words = words_of(head_dim);
+    const int64_t tile_words = KEY_TILE * (words + dim_pad / PER_WORD);
+    int64_t pack_units = 0, tile_units = 0, all_tiles = 0;
+    for (int64_t c = 0; c < count; c++) {
+        Chunk *k = &chunks[c];
+        const int64_t prefix_len = k->prefix_len;
+        k->first = window > 0 && prefix_len + 1 > window ? prefix_len + 1 - window : 0;
+        k->key_tiles = round_up(prefix_len + k->chunk - k->first, KEY_TILE) / KEY_TILE;
+        k->positions = query_tile_positions(k->chunk, kv_heads, threads);
+        k->tiles = (k->chunk + k->positions - 1) / k->positions;
+        pack_units += kv_heads * k->key_tiles;
+        tile_units += kv_heads * k->tiles;
+        all_tiles += k->key_tiles;
+    }
+    PackedHead *packed = malloc(sizeof(PackedHead) * count * kv_heads);
+    packed_t *memory = malloc(sizeof(packed_t) * kv_heads * all_tiles * tile_words);
     if (packed == NULL || memory == NULL) {
         free(packed);
         free(memory);
         return -1;
     }
-    const int64_t key_tiles = keys_pad / KEY_TILE;
-    for (int64_t g = 0; g < kv_heads; g++) {
-        packed[g].keys_t = memory + g * head_words;
-        packed[g].values = packed[g].keys_t + keys_pad * words;
+    packed_t *next = memory;
+    for (int64_t c = 0; c < count; c++) {
+        chunks[c].packed = packed + c * kv_heads;
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t keys_pad = chunks[c].key_tiles * KEY_TILE;
+            chunks[c].packed[g].keys_t = next;
+            chunks[c].packed[g].values = next + keys_pad * words;
+            next += chunks[c].key_tiles * tile_words;
+        }
     }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
+        /* Unit u is chunk c's (u - its first unit)-th: c found by walking the chunks, in
+         * order as u grows within a thread's static range. */
 #pragma omp for schedule(static)
-        for (int64_t unit = 0; unit < kv_heads * key_tiles; unit++) {
-            const int64_t g = unit / key_tiles;
-            pack_tile(&packed[g], key_cache, value_cache, block_table, first, context, g,
-                      unit % key_tiles, head_dim, dim_pad, block_size, token_stride);
+        for (int64_t unit = 0; unit < pack_units; unit++) {
+            int64_t c = 0, u = unit;
+            while (u >= kv_heads * chunks[c].key_tiles) u -= kv_heads * chunks[c++].key_tiles;
+            const Chunk *k = &chunks[c];
+            const int64_t g = u / k->key_tiles;
+            pack_tile(&k->packed[g], key_cache, value_cache, k->table, k->first,
+                      k->prefix_len + k->chunk, g, u % k->key_tiles, head_dim, dim_pad,
+                      block_size, token_stride);
         }
         Scratch scratch;
         if (scratch_alloc(&scratch, padded_rows(group), dim_pad) != 0) {
@@ -728,15 +757,19 @@ int paged_prefill_attention(const kv_t *q, int64_t q_row_stride, const kv_t *key
 #if AMX
         tiles_configure(); /* a thread's own state */
 #endif
-        /* Last query tiles first: they attend to the most keys (dynamic balance). */
+        /* Each chunk's last query tiles first: they attend to the most keys (dynamic
+         * balance); the chunks in turn. */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t unit = 0; unit < tiles * kv_heads; unit++) {
+        for (int64_t unit = 0; unit < tile_units; unit++) {
             if (failed) continue;
-            const int64_t tile = tiles - 1 - unit / kv_heads, g = unit % kv_heads;
-            const int64_t i0 = tile * positions;
-            const int64_t i1 = i0 + positions < chunk ? i0 + positions : chunk;
-            query_tile(&scratch, &packed[g], q, q_row_stride, out, i0, i1, g, group, heads,
-                       head_dim, dim_pad, prefix_len, first, window, scale);
+            int64_t c = 0, u = unit;
+            while (u >= kv_heads * chunks[c].tiles) u -= kv_heads * chunks[c++].tiles;
+            const Chunk *k = &chunks[c];
+            const int64_t tile = k->tiles - 1 - u / kv_heads, g = u % kv_heads;
+            const int64_t i0 = tile * k->positions;
+            const int64_t i1 = i0 + k->positions < k->chunk ? i0 + k->positions : k->chunk;
+            query_tile(&scratch, &k->packed[g], k->q, q_row_stride, k->out, i0, i1, g, group,
+                       heads, head_dim, dim_pad, k->prefix_len, k->first, window, scale);
         }
 #if AMX
         _tile_release();
@@ -746,4 +779,41 @@ int paged_prefill_attention(const kv_t *q, int64_t q_row_stride, const kv_t *key
     free(memory);
     free(packed);
     return failed ? -1 : 0;
+}
+
+/* One chunk. Returns 0, or -1 when memory could not be allocated. */
+int paged_prefill_attention(const kv_t *q, int64_t q_row_stride, const kv_t *key_cache,
+                            const kv_t *value_cache, const int64_t *block_table, kv_t *out,
+                            int64_t chunk, int64_t prefix_len, int64_t heads, int64_t kv_heads,
+                            int64_t head_dim, int64_t block_size, int64_t window, float scale,
+                            int threads) {
+    Chunk one = {.q = q, .out = out, .table = block_table, .chunk = chunk,
+                 .prefix_len = prefix_len};
+    return attend_chunks(&one, 1, q_row_stride, key_cache, value_cache, heads, kv_heads,
+                         head_dim, block_size, window, scale, threads);
+}
+
+/* `count` chunks of one step, in one parallel region: chunk c's queries are rows
+ * [starts[c], starts[c + 1]) of q (rows q_row_stride apart), its output the same rows of out
+ * ([starts[count], heads, head_dim]), its context prefix_lens[c] cached tokens and its own,
+ * read through tables[c]. The same numbers as a call per chunk. Returns 0, or -1 when memory
+ * could not be allocated. */
+int paged_prefill_attention_chunks(int64_t count, const kv_t *q, int64_t q_row_stride,
+                                   const int64_t *starts, const int64_t *prefix_lens,
+                                   const int64_t *const *tables, const kv_t *key_cache,
+                                   const kv_t *value_cache, kv_t *out, int64_t heads,
+                                   int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                                   int64_t window, float scale, int threads) {
+    Chunk *chunks = malloc(sizeof(Chunk) * count);
+    if (chunks == NULL) return -1;
+    for (int64_t c = 0; c < count; c++)
+        chunks[c] = (Chunk){.q = q + starts[c] * q_row_stride,
+                            .out = out + starts[c] * heads * head_dim,
+                            .table = tables[c],
+                            .chunk = starts[c + 1] - starts[c],
+                            .prefix_len = prefix_lens[c]};
+    const int status = attend_chunks(chunks, count, q_row_stride, key_cache, value_cache, heads,
+                                     kv_heads, head_dim, block_size, window, scale, threads);
+    free(chunks);
+    return status;
 }
