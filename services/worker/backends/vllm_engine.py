@@ -66,7 +66,7 @@ from services.worker.engine.api import (
     SamplingParams,
     TokenLogprob,
 )
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.config import STEP_TOKENS, EngineConfig
 from services.worker.engine.kv_cache_manager import cdiv
 from services.worker.engine.loader import dtype_name, load_model, save_hf_folder, torch_dtype
 from services.worker.engine.output_processor import Emission, OutputProcessor
@@ -257,7 +257,7 @@ class VllmEngine:
             kv_cache_memory_bytes=self._num_blocks * self.layout.block_bytes,
             max_model_len=self.context_length,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=config.max_num_batched_tokens or STEP_TOKENS,
             enable_prefix_caching=config.enable_prefix_caching,
             scheduling_policy="priority",
             enforce_eager=self._eager,

@@ -12,6 +12,22 @@ KERNEL_OR_TORCH = ("auto", "kernel", "torch")  # small_batch_linear and rope_sto
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
 LARGE_BATCH_LINEAR = ("auto", "panels", "panels-prefetch", "onednn", "torch")
 
+STEP_TOKENS = 1024
+"""A step's token budget by default (EngineConfig.max_num_batched_tokens). Against 512 on an
+AMD EPYC Zen 4 (2 cores): the Peers offline row 1.05x the tok/s, the serving row's p99 TTFT
+0.93x at the same tok/s; a decode step that takes a whole chunk takes ~1.3 s instead of
+~0.75 s. Against 2,048 in float32 on an Intel Xeon with AMX (model 167, 2 cores), two runs
+each alternated: the offline row 1.01-1.06x the tok/s, the serving row 0.96-1.03x with its
+TTFT p99 1.04-1.07x (3,026-3,338 against 2,891-3,131 ms)."""
+AMX_BFLOAT16_STEP_TOKENS = 2048
+"""The budget of a bfloat16 model's steps on a CPU with AMX. There oneDNN ran two of
+SmolLM2-135M's projections on one thread of two at 768-1,088 rows (576 -> 960) and 256-1,088
+rows (1,536 -> 576), and on both at 2,048: a step of sixteen 128-token prompts took 274 ms
+against 177 for eight. Against 1,024 on an Intel Xeon with AMX (model 167, 2 cores), two runs
+each alternated: the offline row 1.05-1.07x the tok/s, the serving row 1.06x (one disturbed
+run 0.92x) with its TTFT p99 0.82-0.85x (714-718 against 845-907 ms), TPOT 35 against
+36-37 ms."""
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -43,11 +59,11 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     """KV budget in blocks; when set it overrides kv_cache_bytes."""
 
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int | None = None
     """Token budget of one step: decodes plus prefill chunks computed together (a chunk may
-    go over it by 1/16 of it to finish its prompt: scheduler.TAIL_SHARE). Against 512
-    on Zen 4 (2 cores): the Peers offline row 1.05x the tok/s, the serving row's p99 TTFT 0.93x
-    at the same tok/s; a decode step that takes a whole chunk takes ~1.3 s instead of ~0.75 s."""
+    go over it by 1/16 of it to finish its prompt: scheduler.TAIL_SHARE). None: 2,048 for a
+    bfloat16 model on a CPU with AMX (AMX_BFLOAT16_STEP_TOKENS), else 1,024 (STEP_TOKENS; the
+    vLLM backend 1,024 too)."""
 
     max_num_seqs: int = 64
     """Most requests running (holding KV and computing) at once."""
@@ -143,13 +159,14 @@ class EngineConfig:
         positive = {
             "block_size": self.block_size,
             "kv_cache_bytes": self.kv_cache_bytes,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_num_seqs": self.max_num_seqs,
             "grammar_compile_threads": self.grammar_compile_threads,
             "grammar_cache_entries": self.grammar_cache_entries,
         }
         if self.num_kv_blocks is not None:
             positive["num_kv_blocks"] = self.num_kv_blocks
+        if self.max_num_batched_tokens is not None:
+            positive["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.max_model_len is not None:
             positive["max_model_len"] = self.max_model_len
         if self.num_threads is not None:

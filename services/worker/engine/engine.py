@@ -30,9 +30,14 @@ from services.worker.engine.api import (
     TokenLogprob,
 )
 from services.worker.engine.block_pool import BlockPool
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.config import (
+    AMX_BFLOAT16_STEP_TOKENS,
+    STEP_TOKENS,
+    EngineConfig,
+)
 from services.worker.engine.decode_kernel import choose_decode_kernel
 from services.worker.engine.grammar import GrammarCompiler, make_backend
+from services.worker.engine.kernel_build import cpu_flags
 from services.worker.engine.kv_cache_manager import KvCacheManager, cdiv
 from services.worker.engine.linear_kernel import choose_bfloat16_project, choose_linear_kernel
 from services.worker.engine.loader import LoadedModel, load_model, torch_dtype
@@ -47,6 +52,15 @@ from services.worker.engine.scheduler import ScheduledChunk, Scheduler
 from services.worker.engine.throughput import ThroughputMeter
 
 logger = logging.getLogger(__name__)
+
+
+def step_tokens(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """The step's token budget: EngineConfig.max_num_batched_tokens, or where it is None
+    AMX_BFLOAT16_STEP_TOKENS for a bfloat16 model on a CPU with AMX, else STEP_TOKENS."""
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    amx = device.type == "cpu" and dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+    return AMX_BFLOAT16_STEP_TOKENS if amx else STEP_TOKENS
 
 
 class Engine:
@@ -102,7 +116,9 @@ class Engine:
         self.kv = KvCacheManager(
             self.pool, config.block_size, loaded.fingerprint, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            self.kv, step_tokens(config, loaded.dtype, loaded.device), config.max_num_seqs
+        )
         self.sampler = Sampler()
         self.grammars = GrammarCompiler(
             functools.partial(

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.worker.engine import engine as engine_module
 from services.worker.engine.api import (
     EngineRequest,
     FinishReason,
@@ -364,3 +365,37 @@ def test_bad_requests_are_refused_with_clear_errors(
     engine.add_request(EngineRequest("dup", [1, 2], GREEDY))
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request(EngineRequest("dup", [1, 2], GREEDY))
+
+
+@pytest.mark.parametrize(
+    ("given", "dtype", "device", "flags", "budget"),
+    [
+        (None, torch.float32, "cpu", {"amx_bf16"}, 1024),
+        (None, torch.bfloat16, "cpu", {"avx512_bf16"}, 1024),
+        (None, torch.bfloat16, "cpu", {"avx512_bf16", "amx_bf16"}, 2048),
+        (None, torch.bfloat16, "cuda", {"amx_bf16"}, 1024),
+        (512, torch.bfloat16, "cpu", {"amx_bf16"}, 512),
+    ],
+)
+def test_the_step_budget_is_the_configs_or_its_default_for_the_dtype_and_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+    given: int | None,
+    dtype: torch.dtype,
+    device: str,
+    flags: set[str],
+    budget: int,
+) -> None:
+    """max_num_batched_tokens as given; None: 2,048 for a bfloat16 model on a CPU with AMX,
+    1,024 elsewhere (config.STEP_TOKENS, AMX_BFLOAT16_STEP_TOKENS)."""
+    monkeypatch.setattr(engine_module, "cpu_flags", lambda: frozenset(flags))
+    config = EngineConfig(max_num_batched_tokens=given)
+    config.validate()
+    assert engine_module.step_tokens(config, dtype, torch.device(device)) == budget
+
+
+def test_an_engine_without_a_budget_schedules_by_the_default(tiny_loaded: LoadedModel) -> None:
+    """The engine's scheduler takes the resolved budget (the tests' tiny model is float32)."""
+    engine = Engine(tiny_loaded, EngineConfig(num_kv_blocks=64))
+    assert engine.scheduler.max_num_batched_tokens == 1024
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= 1"):
+        EngineConfig(max_num_batched_tokens=0).validate()
