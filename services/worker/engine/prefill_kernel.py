@@ -54,14 +54,11 @@ BFLOAT16_PAIRS_VENDORS = frozenset({"AuthenticAMD"})
 
 
 class PrefillKernel:
-    """Causal attention of one prefill chunk over one layer's paged K/V."""
+    """Causal attention of prefill chunks over one layer's paged K/V."""
 
     def __init__(self, library: ctypes.CDLL, num_threads: int) -> None:
         self.function = library.paged_prefill_attention
-        self.function.restype = ctypes.c_int
-        self.function.argtypes = (
-            [_POINTER] + [_INT] + [_POINTER] * 4 + [_INT] * 7 + [ctypes.c_float, ctypes.c_int]
-        )
+        """One chunk's attention: decode_layers.c calls it by its address."""
         self.num_threads = num_threads
         self.chunks_function = library.paged_prefill_attention_chunks
         self.chunks_function.restype = ctypes.c_int
@@ -98,33 +95,9 @@ class PrefillKernel:
         The caller guarantees the shapes and that the caches are of the dtype the kernel was
         built for (the runner builds them); ctypes cannot check. q is read, and the output
         written, in the caches' dtype (q converted first where it is not)."""
-        q = q.to(key_blocks.dtype)
-        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-            q = q.contiguous()
-        chunk, heads, head_dim = q.shape
-        table = block_table.contiguous()  # held: the kernel reads it by address
-        out = torch.empty((chunk, heads, head_dim), dtype=key_blocks.dtype)
-        with profiled("kvmesh::paged_prefill_attention"):
-            status = self.function(
-                q.data_ptr(),
-                q.stride(0),
-                key_blocks.data_ptr(),
-                value_blocks.data_ptr(),
-                table.data_ptr(),
-                out.data_ptr(),
-                chunk,
-                prefix_len,
-                heads,
-                key_blocks.shape[2],
-                head_dim,
-                key_blocks.shape[1],
-                window,
-                head_dim**-0.5,
-                self.num_threads,
-            )
-        if status != 0:
-            raise MemoryError("the prefill-attention kernel could not allocate its scratch memory")
-        return out
+        return self.chunks(
+            q, key_blocks, value_blocks, [q.shape[0]], [prefix_len], [block_table], window
+        )
 
     def chunks(
         self,

@@ -60,8 +60,7 @@
 #endif
 
 #if PAIRS && defined(AMX_TILES) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #define AMX 1
 #else
 #define AMX 0
@@ -70,10 +69,10 @@
 #if AMX
 #define LANES 16
 /* An AMX tile's rows: query rows (or probability rows) per product. */
-#define TILE_ROWS 16
+#define TILE_ROWS AMX_TILE_ROWS
 /* An AMX tile row: 16 float32 results, or 16 words of bfloat16 pairs as an operand. */
-#define AMX_COLUMNS 16
-#define AMX_WORDS 16
+#define AMX_COLUMNS (AMX_TILE_BYTES / 4)
+#define AMX_WORDS (AMX_TILE_BYTES / 4)
 #elif defined(__AVX512F__)
 #define LANES 16
 /* Register tiles: rows x vectors of accumulators (24 of AVX-512's 32 registers). */
@@ -289,27 +288,9 @@ static inline int64_t block_keys(const TileKeys *keys, int64_t r0) {
 }
 
 #if AMX
-/* AMX's tile registers as these products use them: 0-3 four 16-column blocks of float32
- * results (a key tile's scores, or 64 columns of the values' sums), 4 the query or
- * probability rows, 5-7 the other operand's words. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static void tiles_configure(void) {
-    TileConfig config = {.palette = 1};
-    for (int t = 0; t < 8; t++) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = TILE_ROWS;
-    }
-    _tile_loadconfig(&config);
-}
-
-/* Linux hands a process AMX's tile data registers once it asks for them (arch_prctl
- * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); oneDNN asks too, and asking again is harmless. */
-static int tiles_permitted(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+/* AMX's tile registers as these products use them (all configured by amx_configure): 0-3
+ * four 16-column blocks of float32 results (a key tile's scores, or 64 columns of the values'
+ * sums), 4 the query or probability rows, 5-7 the other operand's words. */
 
 /* Operand tile `t` (5-7) loaded with words [w, w + AMX_WORDS) of a row-major word matrix
  * `stride` words wide, then multiplied into result tile `c` with the query/probability rows in
@@ -621,7 +602,8 @@ static void query_tile(Scratch *s, const PackedHead *packed, const kv_t *q,
      * last query's position. */
     const int64_t last = prefix_len + i1 - 1 - first;
     int64_t lowest = 0;
-    if (window > 0 && prefix_len + i0 - window + 1 > first) lowest = prefix_len + i0 - window + 1 - first;
+    if (window > 0 && prefix_len + i0 - window + 1 > first)
+        lowest = prefix_len + i0 - window + 1 - first;
     for (int64_t k0 = lowest - lowest % KEY_TILE; k0 <= last; k0 += KEY_TILE) {
         const int64_t position0 = prefix_len + i0 - first;
         const TileKeys keys = {rows, position0, group, k0, window};
@@ -677,7 +659,7 @@ int paged_prefill_attention_pairs(void) { return PAIRS; }
  * process use them, -1 where it was built for them but Linux refused, 0 where not built so. */
 int paged_prefill_attention_tiles(void) {
 #if AMX
-    return tiles_permitted() ? 1 : -1;
+    return amx_permitted() ? 1 : -1;
 #else
     return 0;
 #endif
@@ -755,7 +737,7 @@ static int attend_chunks(Chunk *chunks, int64_t count, int64_t q_row_stride,
         }
 #pragma omp barrier
 #if AMX
-        tiles_configure(); /* a thread's own state */
+        amx_configure();
 #endif
         /* Each chunk's last query tiles first: they attend to the most keys (dynamic
          * balance); the chunks in turn. */

@@ -331,11 +331,11 @@ void panel_linear_prefetching(const float *x, int64_t rows, int64_t x_stride, in
 int panel_linear_bfloat16_built(void) { return 1; }
 
 #if defined(AMX_TILES) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
+#include "amx_tiles.h"
 #define AMX 1
 /* An AMX tile: 16 rows of 64 bytes (16 float32 sums, or 16 input pairs). */
-#define AMX_ROWS 16
-#define AMX_PAIRS 16
+#define AMX_ROWS AMX_TILE_ROWS
+#define AMX_PAIRS (AMX_TILE_BYTES / 4)
 #else
 #define AMX 0
 #endif
@@ -582,20 +582,8 @@ static void widen_rows(const uint16_t *x, int64_t rows, int64_t x_stride, int64_
  * rows 26.8-27.2 vs 39.3-39.5, 64 rows 46.4-47.4 vs 61.0, prefills of 128 and 512 tokens a
  * tie (oneDNN, measured faster from 128 rows now and from 32 before, runs most of those). */
 
-/* Tiles 0-3: the sums of rows [0, 16) and [16, 32) of a row pair by the panel's two column
- * halves; 4-5 those rows' inputs; 6-7 the halves' weights. */
-static void amx_configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t bytes_per_row[16];
-        uint8_t rows[16];
-    } config = {.palette = 1};
-    for (int t = 0; t < 8; t++) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = AMX_ROWS;
-    }
-    _tile_loadconfig(&config);
-}
+/* The tiles (all configured by amx_configure): 0-3 the sums of rows [0, 16) and [16, 32) of a
+ * row pair by the panel's two column halves; 4-5 those rows' inputs; 6-7 the halves' weights. */
 
 /* bfloat16_panel_rows on AMX tiles, over x's rows padded (x_stride elements apart, whole tiles
  * of pairs, zero rows after them): sharing out the cache lines of `next` as the others do. */
@@ -611,7 +599,7 @@ static void amx_panel_rows(const void *x_rows, int64_t rows, int64_t x_stride, i
     const int64_t tiles = (rows + 2 * AMX_ROWS - 1) / (2 * AMX_ROWS);
     const int64_t share = (panel_lines + tiles - 1) / tiles;
     float sums[2 * AMX_ROWS][PANEL];
-    amx_configure(); /* each call: oneDNN's kernels on this thread load configurations too */
+    amx_configure();
     for (int64_t r0 = 0, asked = 0; r0 < rows; r0 += 2 * AMX_ROWS, asked += share) {
         const int two = rows - r0 > AMX_ROWS;
         int64_t lines, fetched = 0;
@@ -626,7 +614,7 @@ static void amx_panel_rows(const void *x_rows, int64_t rows, int64_t x_stride, i
             const uint16_t *w = panel + step * AMX_PAIRS * pair_row;
             const uint16_t *in = x + r0 * x_stride + step * 2 * AMX_PAIRS;
             _tile_loadd(6, w, w_bytes);
-            _tile_loadd(7, w + 2 * AMX_ROWS, w_bytes);
+            _tile_loadd(7, w + PANEL, w_bytes); /* column PANEL / 2's pair onwards */
             _tile_loadd(4, in, x_bytes);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
@@ -663,11 +651,10 @@ static void pad_rows(const uint16_t *x, int64_t rows, int64_t x_stride, int64_t 
 #endif
 
 /* Whether this build multiplies on AMX tiles: 1 where it does and Linux lets this process use
- * them (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; oneDNN asks too, and asking
- * again is harmless), -1 where it was built for them but Linux refused, 0 where not built so. */
+ * them, -1 where it was built for them but Linux refused, 0 where not built so. */
 int panel_linear_bfloat16_tiles(void) {
 #if AMX
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return amx_permitted() ? 1 : -1;
 #else
     return 0;
 #endif
@@ -723,8 +710,9 @@ void panel_linear_bfloat16(const uint16_t *x, int64_t rows, int64_t x_stride, in
 /* panel_linear_bfloat16, streaming as panel_linear_prefetching does. On 2 cores of an Intel
  * Xeon (family 6 model 207, AVX-512 BF16 without AMX), SmolLM2-135M in bfloat16 on
  * vdpbf16ps, whole steps alternated in one process, min of 9, streaming against not (two
- * runs, the second on a host running slow): decode steps of 8 rows 0.71-0.89x the time, 32 rows 0.87-0.94x, 64 rows
- * 0.92-0.95x, a 128-token prefill 0.84-0.98x, a 512-token prefill 0.98-1.02x (a tie). */
+ * runs, the second on a host running slow): decode steps of 8 rows 0.71-0.89x the time, 32
+ * rows 0.87-0.94x, 64 rows 0.92-0.95x, a 128-token prefill 0.84-0.98x, a 512-token prefill
+ * 0.98-1.02x (a tie). */
 void panel_linear_bfloat16_prefetching(const uint16_t *x, int64_t rows, int64_t x_stride,
                                        int64_t ins, const uint16_t *panels,
                                        const uint16_t *bias, int64_t outs, uint16_t *y,
