@@ -17,16 +17,16 @@ STEP_TOKENS = 1024
 AMD EPYC Zen 4 (2 cores): the Peers offline row 1.05x the tok/s, the serving row's p99 TTFT
 0.93x at the same tok/s; a decode step that takes a whole chunk takes ~1.3 s instead of
 ~0.75 s. Against 2,048 in float32 on an Intel Xeon with AMX (model 167, 2 cores), two runs
-each alternated: the offline row 1.01-1.06x the tok/s, the serving row 0.96-1.03x with its
-TTFT p99 1.04-1.07x (3,026-3,338 against 2,891-3,131 ms)."""
+each alternated: the offline row 1.01-1.06x the tok/s, the serving row 0.96-1.00x with its
+TTFT p99 1.03-1.10x (3,026-3,338 against 2,891-3,131 ms)."""
 AMX_BFLOAT16_STEP_TOKENS = 2048
 """The budget of a bfloat16 model's steps on a CPU with AMX. There oneDNN ran two of
 SmolLM2-135M's projections on one thread of two at 768-1,088 rows (576 -> 960) and 256-1,088
 rows (1,536 -> 576), and on both at 2,048: a step of sixteen 128-token prompts took 274 ms
 against 177 for eight. Against 1,024 on an Intel Xeon with AMX (model 167, 2 cores), two runs
-each alternated: the offline row 1.05-1.07x the tok/s, the serving row 1.06x (one disturbed
-run 0.92x) with its TTFT p99 0.82-0.85x (714-718 against 845-907 ms), TPOT 35 against
-36-37 ms."""
+each alternated: the offline row 1.05-1.07x the tok/s, the serving row 1.05-1.06x with its
+TTFT p99 0.85-0.87x (714-786 against 845-907 ms), TPOT 35 against 36-37 ms, but for one
+serving run at 0.89x the tok/s and 1.24x the p99 (1,101 ms), not seen again."""
 
 
 @dataclass(slots=True)
