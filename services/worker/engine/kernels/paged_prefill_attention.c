@@ -301,6 +301,31 @@ static inline int64_t block_keys(const TileKeys *keys, int64_t r0) {
         _tile_dpbf16ps(c, 4, t);                                                                \
     } while (0)
 
+/* The first `blocks` (1-4) result tiles += tile 4's rows times the operand words at `words`
+ * (`stride` words a row), AMX_COLUMNS columns a block. */
+static inline void multiply_blocks(const packed_t *words, int64_t stride, int64_t blocks) {
+    MULTIPLY_INTO(0, 5, words, stride);
+    if (blocks > 1) MULTIPLY_INTO(1, 6, words + AMX_COLUMNS, stride);
+    if (blocks > 2) MULTIPLY_INTO(2, 7, words + 2 * AMX_COLUMNS, stride);
+    if (blocks > 3) MULTIPLY_INTO(3, 5, words + 3 * AMX_COLUMNS, stride);
+}
+
+/* The first `blocks` result tiles from float32 rows at `at`, `stride` bytes apart. */
+static inline void load_results(float *at, int64_t stride, int64_t blocks) {
+    _tile_loadd(0, at, stride);
+    if (blocks > 1) _tile_loadd(1, at + AMX_COLUMNS, stride);
+    if (blocks > 2) _tile_loadd(2, at + 2 * AMX_COLUMNS, stride);
+    if (blocks > 3) _tile_loadd(3, at + 3 * AMX_COLUMNS, stride);
+}
+
+/* The first `blocks` result tiles into float32 rows at `at`, `stride` bytes apart. */
+static inline void store_results(float *at, int64_t stride, int64_t blocks) {
+    _tile_stored(0, at, stride);
+    if (blocks > 1) _tile_stored(1, at + AMX_COLUMNS, stride);
+    if (blocks > 2) _tile_stored(2, at + 2 * AMX_COLUMNS, stride);
+    if (blocks > 3) _tile_stored(3, at + 3 * AMX_COLUMNS, stride);
+}
+
 /* scores[r][0:KEY_TILE] = queries[r] . keys[tile] for rows [0, rows) (a multiple of
  * TILE_ROWS), 16 rows by up to four 16-key blocks on AMX: the queries row by row ([rows][words],
  * query_word), the keys' transposed word rows a B operand as they are packed. Blocks after a
@@ -317,18 +342,10 @@ static void tile_scores(const packed_t *queries, int64_t rows, int64_t words,
         _tile_zero(3);
         for (int64_t w = 0; w < words; w += AMX_WORDS) {
             _tile_loadd(4, queries + r0 * words + w, words * sizeof(packed_t));
-            const packed_t *k = keys_t + w * KEY_TILE;
-            MULTIPLY_INTO(0, 5, k, KEY_TILE);
-            if (blocks > 1) MULTIPLY_INTO(1, 6, k + AMX_COLUMNS, KEY_TILE);
-            if (blocks > 2) MULTIPLY_INTO(2, 7, k + 2 * AMX_COLUMNS, KEY_TILE);
-            if (blocks > 3) MULTIPLY_INTO(3, 5, k + 3 * AMX_COLUMNS, KEY_TILE);
+            multiply_blocks(keys_t + w * KEY_TILE, KEY_TILE, blocks);
         }
         float *out = scores + r0 * KEY_TILE;
-        const int64_t stride = KEY_TILE * sizeof(float);
-        _tile_stored(0, out, stride);
-        if (blocks > 1) _tile_stored(1, out + AMX_COLUMNS, stride);
-        if (blocks > 2) _tile_stored(2, out + 2 * AMX_COLUMNS, stride);
-        if (blocks > 3) _tile_stored(3, out + 3 * AMX_COLUMNS, stride);
+        store_results(out, KEY_TILE * sizeof(float), blocks);
         for (int r = 0; r < TILE_ROWS; r++)
             for (int64_t b = 0; b < blocks; b++) {
                 float *row = out + r * KEY_TILE + b * AMX_COLUMNS;
@@ -451,23 +468,13 @@ static void tile_values(const packed_t *probs, int64_t rows, const packed_t *val
             const int64_t blocks = (dim_pad - c0) / AMX_COLUMNS < 4 ? (dim_pad - c0) / AMX_COLUMNS
                                                                     : 4;
             float *acc = acc_rows + r0 * dim_pad + c0;
-            _tile_loadd(0, acc, stride);
-            if (blocks > 1) _tile_loadd(1, acc + AMX_COLUMNS, stride);
-            if (blocks > 2) _tile_loadd(2, acc + 2 * AMX_COLUMNS, stride);
-            if (blocks > 3) _tile_loadd(3, acc + 3 * AMX_COLUMNS, stride);
+            load_results(acc, stride, blocks);
             for (int64_t step = 0; step < steps; step++) {
                 _tile_loadd(4, probs + r0 * row_words + step * AMX_WORDS,
                             row_words * sizeof(packed_t));
-                const packed_t *v = values + step * AMX_WORDS * dim_pad + c0;
-                MULTIPLY_INTO(0, 5, v, dim_pad);
-                if (blocks > 1) MULTIPLY_INTO(1, 6, v + AMX_COLUMNS, dim_pad);
-                if (blocks > 2) MULTIPLY_INTO(2, 7, v + 2 * AMX_COLUMNS, dim_pad);
-                if (blocks > 3) MULTIPLY_INTO(3, 5, v + 3 * AMX_COLUMNS, dim_pad);
+                multiply_blocks(values + step * AMX_WORDS * dim_pad + c0, dim_pad, blocks);
             }
-            _tile_stored(0, acc, stride);
-            if (blocks > 1) _tile_stored(1, acc + AMX_COLUMNS, stride);
-            if (blocks > 2) _tile_stored(2, acc + 2 * AMX_COLUMNS, stride);
-            if (blocks > 3) _tile_stored(3, acc + 3 * AMX_COLUMNS, stride);
+            store_results(acc, stride, blocks);
         }
     }
 }
@@ -584,8 +591,8 @@ static void query_tile(Scratch *s, const PackedHead *packed, const kv_t *q,
                        int64_t prefix_len, int64_t first, int64_t window, float scale) {
     const int64_t rows = (i1 - i0) * group;
     const int64_t rows_pad = round_up(rows, TILE_ROWS), words = words_of(head_dim);
+    packed_t *queries = s->queries;
     for (int64_t r = 0; r < rows_pad; r++) {
-        packed_t *queries = s->queries;
         if (r < rows) {
             const kv_t *src =
                 q + (i0 + r / group) * q_row_stride + (g * group + r % group) * head_dim;
@@ -677,7 +684,8 @@ typedef struct {
 } Chunk;
 
 /* The chunks' attention in one parallel region: every chunk's key tiles packed (shared out
- * statically), then every chunk's query tiles shared out dynamically, the largest first.
+ * statically), then every chunk's query tiles shared out dynamically, each chunk's last (the
+ * most keys) first.
  * Returns 0, or -1 when memory could not be allocated. */
 static int attend_chunks(Chunk *chunks, int64_t count, int64_t q_row_stride,
                          const kv_t *key_cache, const kv_t *value_cache, int64_t heads,
