@@ -37,7 +37,7 @@ from services.worker.engine.config import (
 )
 from services.worker.engine.decode_kernel import choose_decode_kernel
 from services.worker.engine.grammar import GrammarCompiler, make_backend
-from services.worker.engine.kernel_build import cpu_flags
+from services.worker.engine.kernel_build import cpu_has_amx
 from services.worker.engine.kv_cache_manager import KvCacheManager, cdiv
 from services.worker.engine.linear_kernel import choose_bfloat16_project, choose_linear_kernel
 from services.worker.engine.loader import LoadedModel, load_model, torch_dtype
@@ -59,7 +59,7 @@ def step_tokens(config: EngineConfig, dtype: torch.dtype, device: torch.device) 
     AMX_BFLOAT16_STEP_TOKENS for a bfloat16 model on a CPU with AMX, else STEP_TOKENS."""
     if config.max_num_batched_tokens is not None:
         return config.max_num_batched_tokens
-    amx = device.type == "cpu" and dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+    amx = device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_amx()
     return AMX_BFLOAT16_STEP_TOKENS if amx else STEP_TOKENS
 
 

@@ -174,21 +174,28 @@ def _cpu_id() -> bytes:
 @functools.cache
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"), or "" where it has none."""
-    for line in _cpuinfo_lines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    return _cpuinfo_field("vendor_id")
 
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """/proc/cpuinfo's feature flags ("avx512f", "amx_bf16", ...), empty where it has none."""
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU multiplies bfloat16 on AMX tiles (the kernels' AMX_TILES builds, and
+    the step budget of a bfloat16 model: config.AMX_BFLOAT16_STEP_TOKENS)."""
+    return "amx_bf16" in cpu_flags()
+
+
+def _cpuinfo_field(name: str) -> str:
+    """The value of /proc/cpuinfo's first `name` line, or ""."""
     for line in _cpuinfo_lines():
         key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
+        if key.strip() == name:
+            return value.strip()
+    return ""
 
 
 def _cpuinfo_lines() -> list[str]:

@@ -35,7 +35,7 @@ from services.worker.engine.huge_pages import huge_page_bytes
 from services.worker.engine.kernel_build import (
     KernelUnavailable,
     choose_kernel,
-    cpu_flags,
+    cpu_has_amx,
     cpu_vendor,
     load_library,
 )
@@ -816,7 +816,7 @@ def panel_library(tiles: bool | None = None) -> ctypes.CDLL:
     BFLOAT16_FMA_VENDORS) and, with tiles, its AMX_TILES build: a bfloat16 model's products on
     AMX tiles (on an FMA vendor in place of the FMA build); None: where the CPU has AMX-BF16."""
     if tiles is None:
-        tiles = "amx_bf16" in cpu_flags()
+        tiles = cpu_has_amx()
     vendor = cpu_vendor()
     defines = [name for name, vendors in PANEL_BUILDS.items() if vendor in vendors]
     if tiles:

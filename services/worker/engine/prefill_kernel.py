@@ -30,7 +30,7 @@ from services.worker.engine.kernel_build import (
     KV_BUILDS,
     KernelUnavailable,
     choose_kernel,
-    cpu_flags,
+    cpu_has_amx,
     cpu_vendor,
     load_library,
     profiled,
@@ -179,7 +179,7 @@ def load_prefill_kernel(
     if dtype != torch.bfloat16:
         return PrefillKernel(load_library("paged_prefill_attention", KV_BUILDS[dtype]), num_threads)
     if tiles is None:
-        if pairs is not False and "amx_bf16" in cpu_flags():
+        if pairs is not False and cpu_has_amx():
             try:
                 return load_prefill_kernel(num_threads, dtype, pairs, tiles=True)
             except KernelUnavailable as exc:

@@ -387,7 +387,7 @@ def test_the_step_budget_is_the_configs_or_its_default_for_the_dtype_and_cpu(
 ) -> None:
     """max_num_batched_tokens as given; None: 2,048 for a bfloat16 model on a CPU with AMX,
     1,024 elsewhere (config.STEP_TOKENS, AMX_BFLOAT16_STEP_TOKENS)."""
-    monkeypatch.setattr(engine_module, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(engine_module, "cpu_has_amx", lambda: "amx_bf16" in flags)
     config = EngineConfig(max_num_batched_tokens=given)
     config.validate()
     assert engine_module.step_tokens(config, dtype, torch.device(device)) == budget

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.kernel_build import cpu_flags
+from services.worker.engine.kernel_build import cpu_has_amx
 from services.worker.engine.prefill_kernel import load_prefill_kernel
 from tests.unit.engine.paged_reference import BLOCK_SIZE, reference
 
@@ -180,7 +180,7 @@ def test_bfloat16_caches_take_amx_tiles_where_the_cpu_has_them() -> None:
     """By default a bfloat16 cache's kernel multiplies on AMX tiles exactly where the CPU
     has AMX-BF16 (Linux grants the tiles to any process that asks), and then in pairs."""
     kernel = load_prefill_kernel(2, torch.bfloat16)
-    assert kernel.tiles == ("amx_bf16" in cpu_flags())
+    assert kernel.tiles == cpu_has_amx()
     assert kernel.pairs or not kernel.tiles
     assert not load_prefill_kernel(2).tiles
 
